@@ -1,0 +1,81 @@
+"""Drive workloads through a router (or any OpenAI-compatible server) over HTTP.
+
+Each request becomes a `RequestRecord`: which replica served it, prompt tokens, the cached
+tokens the replica reported (``usage.prompt_tokens_details.cached_tokens``), the router's
+prediction, and latency.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import aiohttp
+
+from bench.workloads import AgentWorkload, GrpoWorkload, agent_first_prompts, agent_observation, grpo_prompts
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """One completed request as the client saw it."""
+
+    workload: str
+    replica: str
+    prompt_tokens: int
+    cached_tokens: int
+    expected_cached_tokens: int
+    latency_s: float
+    key: str
+
+
+async def complete(http: aiohttp.ClientSession, url: str, prompt: list[int], max_tokens: int,
+                   headers: dict[str, str], workload: str, key: str) -> tuple[RequestRecord, list[int]]:
+    """One non-streamed /v1/completions call with a token-ID prompt; returns record and reply ids."""
+    body: dict[str, Any] = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 1.0,
+                            "return_token_ids": True, "ignore_eos": True}
+    started = time.perf_counter()
+    async with http.post(url + "/v1/completions", json=body, headers=headers) as r:
+        payload = await r.json(content_type=None)
+        if r.status != 200:
+            raise RuntimeError(f"{workload} request failed with {r.status}: {payload}")
+    latency = time.perf_counter() - started
+    usage = payload.get("usage") or {}
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    router = payload.get("rollout_router") or {}
+    reply = payload["choices"][0].get("token_ids") or []
+    record = RequestRecord(workload, r.headers.get("X-Rollout-Replica", router.get("replica", "?")),
+                           len(prompt), int(cached), int(router.get("expected_cached_tokens", 0)), latency, key)
+    return record, reply
+
+
+async def run_grpo(http: aiohttp.ClientSession, url: str, w: GrpoWorkload, vocab_size: int,
+                   progress: Callable[[int], None] = lambda n: None) -> list[RequestRecord]:
+    """Each group's ``group_size`` samples are sent at once; groups run one after another."""
+    records: list[RequestRecord] = []
+    for g, prompt in enumerate(grpo_prompts(w, vocab_size)):
+        headers = {"X-Group-Id": f"grpo-{w.seed}-{g}"}
+        done = await asyncio.gather(*(complete(http, url, prompt, w.max_tokens, headers, "grpo", f"g{g}")
+                                      for _ in range(w.group_size)))
+        records += [rec for rec, _ in done]
+        progress(w.group_size)
+    return records
+
+
+async def run_agent(http: aiohttp.ClientSession, url: str, w: AgentWorkload, vocab_size: int,
+                    progress: Callable[[int], None] = lambda n: None) -> list[RequestRecord]:
+    """Sessions run concurrently; within one, turn k waits for turn k-1's reply."""
+
+    async def session(s: int, prompt: list[int]) -> list[RequestRecord]:
+        out = []
+        headers = {"X-Session-Id": f"agent-{w.seed}-{s}"}
+        for turn in range(w.turns):
+            rec, reply = await complete(http, url, prompt, w.reply_tokens, headers, "agent", f"s{s}")
+            out.append(rec)
+            progress(1)
+            prompt = prompt + reply + agent_observation(w, s, turn, vocab_size)
+        return out
+
+    per_session = await asyncio.gather(*(session(s, p) for s, p in enumerate(agent_first_prompts(w, vocab_size))))
+    return [rec for recs in per_session for rec in recs]

@@ -1,0 +1,103 @@
+"""Router configuration and the YAML file that combines router, replica and policy sections.
+
+Every default is written once, here (router), in `replicas.config` (replicas) and in
+`cache_policy.config` (policy thresholds). YAML files hold overrides only and are checked
+against these dataclasses: an unknown key is a ValueError naming it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from cache_policy.config import PolicyConfig
+from replicas.config import ReplicaSetConfig
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """How the router listens, routes and talks to replicas."""
+
+    host: str = "127.0.0.1"
+    """Address to listen on."""
+    port: int = 8000
+    """Port to listen on (0 picks a free one)."""
+    policy: str = "prefix_affinity"
+    """Routing policy: prefix_affinity | round_robin | least_load."""
+    seed: int = 0
+    """Seed of the policy's tie-breaking random generator."""
+    request_timeout_s: float = 600.0
+    """Total time allowed for one upstream request, in seconds."""
+    connect_retries: int = 1
+    """Extra attempts on another replica when a replica cannot be reached (nothing was sent)."""
+    scrape_interval_s: float = 1.0
+    """Seconds between /metrics scrapes of each replica; 0 disables the scrape loop."""
+    admin_token: str | None = None
+    """Bearer token required by /admin/* endpoints; None disables them."""
+    state: Literal["memory", "redis"] = "memory"
+    """Where pins and versions live: in this process, or in Redis shared by several routers."""
+    redis_url: str | None = None
+    """Redis URL when state is 'redis'."""
+    tokenizer: str | None = None
+    """Tokenizer path for text prompts; default: the replicas' model."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"router.port must be in [0, 65535], got {self.port}")
+        if self.scrape_interval_s < 0:
+            raise ValueError("router.scrape_interval_s must be >= 0 (0 disables scraping)")
+        if self.connect_retries < 0:
+            raise ValueError("router.connect_retries must be >= 0")
+        if self.state == "redis" and not self.redis_url:
+            raise ValueError("router.state is 'redis' but router.redis_url is not set")
+        if self.state not in ("memory", "redis"):
+            raise ValueError(f"router.state must be 'memory' or 'redis', got {self.state!r}")
+
+
+def from_mapping(cls: type, data: dict[str, Any] | None, section: str):
+    """Build dataclass ``cls`` from ``data``, rejecting unknown keys (ValueError names them)."""
+    data = dict(data or {})
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ValueError(f"unknown key(s) in '{section}': {', '.join(unknown)}; valid: {', '.join(sorted(names))}")
+    for f in dataclasses.fields(cls):
+        if f.name in data and isinstance(data[f.name], list):
+            data[f.name] = tuple(data[f.name])
+    return cls(**data)
+
+
+@dataclass(frozen=True)
+class AppConfig:
+    """The whole deployment: the three sections of a YAML config file."""
+
+    router: RouterConfig = field(default_factory=RouterConfig)
+    replicas: ReplicaSetConfig = field(default_factory=ReplicaSetConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+
+    @classmethod
+    def load(cls, path: str | Path | None) -> "AppConfig":
+        """Read a YAML file (None -> all defaults). Raises ValueError on unknown sections or keys."""
+        raw = yaml.safe_load(Path(path).read_text()) if path else {}
+        raw = raw or {}
+        unknown = sorted(set(raw) - {"router", "replicas", "policy"})
+        if unknown:
+            raise ValueError(f"unknown section(s) in {path}: {', '.join(unknown)}; valid: router, replicas, policy")
+        return cls(
+            router=from_mapping(RouterConfig, raw.get("router"), "router"),
+            replicas=from_mapping(ReplicaSetConfig, raw.get("replicas"), "replicas"),
+            policy=from_mapping(PolicyConfig, raw.get("policy"), "policy"),
+        )
+
+    def replace(self, **sections: Any) -> "AppConfig":
+        """Return a copy with some section fields overridden: ``replace(router={"port": 0})``."""
+        return AppConfig(
+            **{
+                name: dataclasses.replace(getattr(self, name), **sections.get(name, {}))
+                for name in ("router", "replicas", "policy")
+            }
+        )

@@ -1,0 +1,78 @@
+"""Forwarding one request to one replica: JSON or a relayed event stream.
+
+A replica that cannot be reached raises `ReplicaUnreachable` (nothing reached the client, so
+the caller may retry elsewhere). A client that disconnects cancels the handler; leaving the
+``async with`` closes the upstream connection, and vLLM aborts the request and frees its KV
+cache (`vllm/entrypoints/utils.py` ``with_cancellation`` / the streaming generator).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from router.errors import UpstreamError
+
+
+class ReplicaUnreachable(Exception):
+    """Connecting or talking to the replica failed before any byte reached the client."""
+
+
+@dataclass(frozen=True)
+class UpstreamResult:
+    """A non-streamed upstream answer: HTTP status and decoded JSON (or None if not JSON)."""
+
+    status: int
+    payload: Any
+    raw: bytes
+
+
+async def post_json(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> UpstreamResult:
+    """POST ``body`` and read the whole answer. Raises ReplicaUnreachable / UpstreamError."""
+    try:
+        async with http.post(url, json=body) as up:
+            raw = await up.read()
+            status = up.status
+    except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
+        raise ReplicaUnreachable(f"{url}: {exc!r}") from exc
+    except asyncio.TimeoutError as exc:
+        raise UpstreamError(f"replica timed out on {url}") from exc
+    try:
+        payload = json.loads(raw) if raw else None
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        payload = None
+    return UpstreamResult(status, payload, raw)
+
+
+async def relay_stream(client: web.Request, http: aiohttp.ClientSession, url: str, body: dict[str, Any],
+                       headers: dict[str, str]) -> web.StreamResponse:
+    """POST a streaming request and relay the server-sent events to ``client`` as they come.
+
+    An upstream error status before streaming starts is returned as is (JSON). Raises
+    ReplicaUnreachable when the replica cannot be reached before the first byte.
+    """
+    try:
+        up = await http.post(url, json=body)
+    except aiohttp.ClientConnectionError as exc:
+        raise ReplicaUnreachable(f"{url}: {exc!r}") from exc
+    try:
+        if up.status != 200:
+            raw = await up.read()
+            return web.Response(status=up.status, body=raw, content_type="application/json", headers=headers)
+        resp = web.StreamResponse(status=200, headers={**headers, "Cache-Control": "no-cache"})
+        resp.content_type = "text/event-stream"
+        await resp.prepare(client)
+        async for chunk in up.content.iter_any():
+            await resp.write(chunk)
+        await resp.write_eof()
+        return resp
+    except (ConnectionResetError, asyncio.CancelledError):
+        up.close()  # client went away: drop the upstream connection so vLLM aborts the request
+        raise
+    finally:
+        up.release()

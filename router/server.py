@@ -1,0 +1,55 @@
+"""Run a router app on a loopback port, with the replicas it fronts.
+
+`running_router` serves an app on ``cfg.router.port`` (0 = a free port) and yields its base
+URL; the CLI's ``serve`` and ``demo`` and the tests use it. Client disconnects cancel the
+handler (``handler_cancellation=True``) so upstream requests are aborted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import AsyncIterator, Sequence
+
+from aiohttp import web
+
+from replicas.config import ReplicaSetConfig
+from replicas.replica_set import ReplicaEndpoint
+from router.app import create_app
+from router.config import AppConfig
+from router.tokenize import PromptTokenizer
+
+
+def tokenizer_path(cfg: AppConfig) -> str:
+    """The router's tokenizer: ``router.tokenizer`` or the replicas' model (generated if 'tiny')."""
+    if cfg.router.tokenizer:
+        return cfg.router.tokenizer
+    return model_path(cfg.replicas)
+
+
+def model_path(cfg: ReplicaSetConfig) -> str:
+    """Resolve ``replicas.model``: 'tiny' is the generated default model."""
+    if cfg.model == "tiny":
+        from replicas.tiny_model import ensure_tiny_model
+
+        return str(ensure_tiny_model())
+    return cfg.model
+
+
+@contextlib.asynccontextmanager
+async def running_router(cfg: AppConfig, endpoints: Sequence[ReplicaEndpoint],
+                         tokenizer: PromptTokenizer | None = None) -> AsyncIterator[tuple[str, web.Application]]:
+    """Serve a router for ``endpoints``; yield ``(base_url, app)``; shut down on exit."""
+    tokenizer = tokenizer or PromptTokenizer(tokenizer_path(cfg))
+    app = create_app(cfg, endpoints, tokenizer)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, cfg.router.host, cfg.router.port)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        yield f"http://{cfg.router.host}:{port}", app
+    finally:
+        await runner.cleanup()
+
+
+__all__ = ["running_router", "tokenizer_path", "model_path"]

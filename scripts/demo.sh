@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Set up (idempotent) and run the main job on the embedded default (configs/local.yaml).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+exec .venv/bin/rollout-router demo --config configs/local.yaml "$@"

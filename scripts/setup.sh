@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Create .venv, install rollout-router with the CPU vLLM engine, and generate the tiny model.
+# Safe to run twice: the pip step is skipped while pyproject.toml is unchanged.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python3}"
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+stamp=".venv/.rollout-router-installed"
+want="$(sha256sum pyproject.toml | cut -d' ' -f1)"
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  .venv/bin/pip install -q --upgrade pip
+  .venv/bin/pip install -q -e '.[cpu,test]'
+  # PyPI's torchvision/torchaudio/torchcodec do not import beside the CPU torch and break
+  # transformers imports; vLLM's text path does not need them (shared/DESIGN.md).
+  .venv/bin/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+  echo "$want" > "$stamp"
+fi
+.venv/bin/python -m replicas.tiny_model --seed 0 >/dev/null
+.venv/bin/python -m replicas.tiny_model --seed 1 >/dev/null
