@@ -1,0 +1,155 @@
+"""The router in front of two real vLLM-CPU replicas: groups, sessions, chat, streaming."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from replicas.metrics import delta
+from router import keys
+from replicas.ops import fetch_metrics
+from tests.router.conftest import unique_prompt
+
+pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="session")]
+BLOCK = 32
+
+
+async def _metrics(router, replica_set):
+    return {ep.replica_id: await fetch_metrics(router.http, ep.base_url) for ep in replica_set.endpoints}
+
+
+async def _complete(router, prompt, headers=None, **extra):
+    body = {"prompt": prompt, "max_tokens": 4, "ignore_eos": True, "return_token_ids": True, **extra}
+    async with router.http.post(router.url + "/v1/completions", json=body, headers=headers or {}) as r:
+        payload = await r.json()
+        assert r.status == 200, payload
+        return payload, r.headers["X-Rollout-Replica"]
+
+
+async def test_grpo_group_of_16_lands_on_one_replica_and_prefills_once(router, replica_set):
+    prompt = unique_prompt(1, 2000)
+    before = await _metrics(router, replica_set)
+    results = await asyncio.gather(*(_complete(router, prompt, {"X-Group-Id": "g-16"}) for _ in range(16)))
+    await asyncio.sleep(0.3)
+    after = await _metrics(router, replica_set)
+    replicas = {rid for _, rid in results}
+    assert len(replicas) == 1, replicas
+    rid = replicas.pop()
+    full_blocks_tokens = (len(prompt) // BLOCK) * BLOCK
+    hits = delta(after[rid], before[rid]).prefix_cache_hits
+    assert hits >= 15 * full_blocks_tokens, (hits, full_blocks_tokens)
+    # the router predicted the same: every member after the first expected the whole prompt cached
+    expected = sorted(p["rollout_router"]["expected_cached_tokens"] for p, _ in results)
+    assert expected[0] == 0 and expected[1:] == [full_blocks_tokens] * 15
+
+
+async def test_session_turns_stay_on_one_replica_with_growing_hits(router):
+    prompt = unique_prompt(2, 600)
+    served, cached = [], []
+    for turn in range(5):
+        payload, rid = await _complete(router, prompt, {"X-Session-Id": "agent-5-turns"})
+        served.append(rid)
+        cached.append(payload["usage"]["prompt_tokens_details"]["cached_tokens"] or 0)
+        if turn:
+            assert cached[-1] >= ((prev_len - 1) // BLOCK) * BLOCK, (turn, cached, prev_len)
+        prev_len = len(prompt)
+        prompt = prompt + payload["choices"][0]["token_ids"] + unique_prompt(100 + turn, 300)
+    assert len(set(served)) == 1, served
+    assert cached[0] == 0 and all(b > a for a, b in zip(cached, cached[1:])), cached
+
+
+async def test_same_chat_messages_twice_reach_same_replica_with_full_block_hit(router, replica_set):
+    messages = [{"role": "system", "content": "You are a careful agent. " * 40},
+                {"role": "user", "content": "Route the second turn to the replica with the prefix. " * 8}]
+    # independent truth: the replica's own chat tokenization
+    async with router.http.post(replica_set.endpoints[0].base_url + "/tokenize",
+                                json={"model": "tiny-llama", "messages": messages}) as r:
+        engine_tokens = (await r.json())["tokens"]
+    ours = router.app[keys.TOKENIZER].chat_ids(messages)
+    assert ours == engine_tokens
+    answers = []
+    for _ in range(2):
+        async with router.http.post(router.url + "/v1/chat/completions",
+                                    json={"messages": messages, "max_tokens": 3}) as r:
+            assert r.status == 200
+            answers.append((await r.json(), r.headers["X-Rollout-Replica"]))
+    (first, rid1), (second, rid2) = answers
+    assert rid1 == rid2
+    n = second["usage"]["prompt_tokens"]
+    assert n == len(engine_tokens)
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == ((n - 1) // BLOCK) * BLOCK
+    assert second["rollout_router"]["expected_cached_tokens"] == (n // BLOCK) * BLOCK
+
+
+async def test_streaming_client_disconnect_aborts_upstream(router, replica_set):
+    import aiohttp
+
+    body = {"prompt": unique_prompt(3, 100), "max_tokens": 4000, "ignore_eos": True, "stream": True}
+    async with aiohttp.ClientSession() as own:
+        resp = await own.post(router.url + "/v1/completions", json=body)
+        assert resp.status == 200
+        rid = resp.headers["X-Rollout-Replica"]
+        await resp.content.readany()
+        await resp.content.readany()
+        resp.close()  # the client goes away mid-stream
+    base = next(ep.base_url for ep in replica_set.endpoints if ep.replica_id == rid)
+    for _ in range(50):
+        m = await fetch_metrics(router.http, base)
+        if m.num_running == 0:
+            break
+        await asyncio.sleep(0.1)
+    assert m.num_running == 0
+    for _ in range(20):
+        if router.app[keys.POOL].get(rid).in_flight == 0:
+            break
+        await asyncio.sleep(0.1)
+    assert router.app[keys.POOL].get(rid).in_flight == 0
+
+
+async def test_streaming_relays_all_events(router):
+    body = {"prompt": unique_prompt(4, 50), "max_tokens": 5, "ignore_eos": True, "stream": True}
+    async with router.http.post(router.url + "/v1/completions", json=body) as r:
+        assert r.status == 200 and r.content_type == "text/event-stream"
+        text = (await r.read()).decode()
+    events = [line for line in text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    assert len(events) == 6  # five tokens, then [DONE]
+
+
+async def test_keyless_requests_spread_over_both_replicas(router, replica_set):
+    results = await asyncio.gather(*(_complete(router, unique_prompt(200 + i, 300)) for i in range(8)))
+    assert {rid for _, rid in results} == {ep.replica_id for ep in replica_set.endpoints}
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"max_tokens": 3}, "prompt"),
+    ({"prompt": [[1, 2], [3, 4]]}, "prompt"),
+    ({"prompt": [1, -2]}, "prompt"),
+    ({"prompt": "hi", "stream": "yes"}, "stream"),
+    ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "hi", "weight_version": "new"}, "weight_version"),
+])
+async def test_malformed_completion_is_400_naming_the_field(router, body, param):
+    async with router.http.post(router.url + "/v1/completions", json=body) as r:
+        payload = await r.json()
+    assert r.status == 400
+    assert payload["error"]["param"] == param
+
+
+async def test_invalid_json_and_bad_messages_are_400(router):
+    async with router.http.post(router.url + "/v1/completions", data=b"{not json") as r:
+        assert r.status == 400 and (await r.json())["error"]["param"] == "body"
+    async with router.http.post(router.url + "/v1/chat/completions", json={"messages": []}) as r:
+        assert r.status == 400 and (await r.json())["error"]["param"] == "messages"
+
+
+async def test_models_health_and_metrics(router):
+    async with router.http.get(router.url + "/v1/models") as r:
+        assert (await r.json())["data"][0]["id"] == "tiny-llama"
+    async with router.http.get(router.url + "/health") as r:
+        assert r.status == 200 and len((await r.json())["replicas"]) == 2
+    async with router.http.get(router.url + "/metrics") as r:
+        text = await r.text()
+    assert "rollout_router_routing_decisions_total" in text
+    assert 'rollout_router_routing_decisions_total{policy="prefix_affinity",reason="group"}' in text
