@@ -1,0 +1,243 @@
+"""Admission: admit, queue or reject a routed request by its replica's KV budget (DESIGN rule 3).
+
+A request is admitted when its replica's projected KV usage (live working set from
+``vllm:kv_cache_usage_perc``, plus blocks admitted but not yet seen in a scrape, plus the
+blocks this request adds beyond its expected prefix hit) stays at or under
+``high_watermark``. Otherwise it waits in a bounded queue, continuing sessions first;
+past ``max_queue`` it is rejected (429 with Retry-After). The point is to keep live
+rollouts' prefixes from being evicted and prefilled twice. Times are float seconds from
+the caller's clock.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from cache_policy.admission_queue import PRIORITIES, AdmissionQueueStore, Priority
+from cache_policy.config import PolicyConfig
+from cache_policy.sessions import SessionActivity
+from cache_policy.types import ReplicaId, ReplicaView
+
+__all__ = [
+    "PRIORITIES",
+    "AdmissionDecision",
+    "AdmissionQueue",
+    "AdmissionRequest",
+    "Priority",
+    "SessionActivity",
+    "Verdict",
+    "blocks_needed",
+    "classify",
+    "fits",
+    "projected_usage",
+]
+
+Verdict = Literal["admit", "queue", "reject"]
+
+_EPS = 1e-9
+"""Slack on the watermark comparison, so float noise (0.8 + 0.05) cannot flip a verdict."""
+
+
+@dataclass(frozen=True)
+class AdmissionRequest:
+    """One routed request asking for room on ``replica_id``.
+
+    ``new_blocks``: KV blocks it will add beyond its expected prefix hit
+    (see :func:`blocks_needed`). ``enqueued_at``: arrival time, seconds.
+    ``request_id``: the caller's handle, opaque here.
+    """
+
+    replica_id: ReplicaId
+    new_blocks: int = 0
+    priority: Priority = "new"
+    session_id: str | None = None
+    enqueued_at: float = 0.0
+    request_id: str = ""
+
+    def __post_init__(self) -> None:
+        if self.new_blocks < 0:
+            raise ValueError(f"new_blocks must be >= 0, got {self.new_blocks}")
+        if self.priority not in PRIORITIES:
+            raise ValueError(f"priority must be one of {PRIORITIES}, got {self.priority!r}")
+        if self.priority == "continuing_session" and self.session_id is None:
+            raise ValueError("priority 'continuing_session' needs a session_id")
+
+
+@dataclass(frozen=True)
+class AdmissionDecision:
+    """What to do with one request.
+
+    ``reason``: ``idle``, ``under_watermark``, ``under_in_flight_cap`` (admit);
+    ``kv_watermark``, ``in_flight_cap``, ``queued_behind`` (queue or reject);
+    ``queue_full`` (reject). ``retry_after_s`` is set on reject only. ``displaced`` is a
+    lower-priority queued request pushed out to make room: the caller rejects it (429).
+    """
+
+    verdict: Verdict
+    reason: str
+    retry_after_s: float | None = None
+    projected_usage: float | None = None
+    displaced: AdmissionRequest | None = None
+
+
+def classify(session_live: bool, group_started: bool) -> Priority:
+    """Priority class: a live session continues; a started group's member; else new."""
+    if session_live:
+        return "continuing_session"
+    return "group_member" if group_started else "new"
+
+
+def blocks_needed(num_tokens: int, matched_blocks: int, block_size: int) -> int:
+    """Blocks a request of ``num_tokens`` (prompt + max new tokens) adds beyond its hit."""
+    if block_size <= 0:
+        raise ValueError(f"block_size must be a positive number of tokens, got {block_size}")
+    if num_tokens < 0 or matched_blocks < 0:
+        raise ValueError(
+            f"num_tokens and matched_blocks must be >= 0, got {num_tokens}, {matched_blocks}"
+        )
+    return max(0, math.ceil(num_tokens / block_size) - matched_blocks)
+
+
+def projected_usage(replica: ReplicaView, pending_blocks: int, new_blocks: int) -> float | None:
+    """``kv_cache_usage + (pending_blocks + new_blocks) / num_gpu_blocks``, a fraction.
+
+    ``None`` when ``num_gpu_blocks == 0`` (capacity unknown: use the in-flight fallback).
+    """
+    if pending_blocks < 0 or new_blocks < 0:
+        raise ValueError(
+            f"pending_blocks and new_blocks must be >= 0, got {pending_blocks}, {new_blocks}"
+        )
+    if replica.num_gpu_blocks == 0:
+        return None
+    return replica.kv_cache_usage + (pending_blocks + new_blocks) / replica.num_gpu_blocks
+
+
+def fits(
+    replica: ReplicaView, pending_blocks: int, new_blocks: int, cfg: PolicyConfig
+) -> tuple[bool, str, float | None]:
+    """Whether ``new_blocks`` fit on ``replica`` now: ``(ok, reason, projected usage)``.
+
+    An idle replica (nothing in flight or pending) always admits, so a request larger
+    than the watermark still runs. With unknown capacity, admit while
+    ``in_flight < max_in_flight_per_replica``.
+    """
+    usage = projected_usage(replica, pending_blocks, new_blocks)
+    if replica.in_flight == 0 and pending_blocks == 0:
+        return True, "idle", usage
+    if usage is not None:
+        ok = usage <= cfg.high_watermark + _EPS
+        return ok, "under_watermark" if ok else "kv_watermark", usage
+    ok = replica.in_flight < cfg.max_in_flight_per_replica
+    return ok, "under_in_flight_cap" if ok else "in_flight_cap", None
+
+
+class AdmissionQueue:
+    """The bounded admission queue and the admit/queue/reject decision.
+
+    Service order: continuing sessions (round-robin over session ids), then members of
+    started groups, then new requests, FIFO within each (see ``AdmissionQueueStore``).
+    A request never overtakes a queued one of equal or higher priority on the same
+    replica. At most ``cfg.max_queue`` requests wait; a full queue displaces its newest
+    lowest-priority request for a higher-priority one, else rejects.
+    """
+
+    def __init__(self, cfg: PolicyConfig) -> None:
+        self.cfg = cfg
+        self._store = AdmissionQueueStore()
+
+    def __len__(self) -> int:
+        return len(self._store)
+
+    def waiting(self) -> list[AdmissionRequest]:
+        """Queued requests, in service order."""
+        return self._store.in_order()
+
+    def admit(
+        self, request: AdmissionRequest, replica: ReplicaView, pending_blocks: int
+    ) -> AdmissionDecision:
+        """Admit ``request`` now, queue it (the queue keeps it) or reject it.
+
+        ``pending_blocks``: blocks admitted to ``replica`` not yet reflected in its
+        ``kv_cache_usage``. ``request.enqueued_at`` is taken as now.
+        """
+        if request.replica_id != replica.replica_id:
+            raise ValueError(
+                f"replica {replica.replica_id!r} is not the request's {request.replica_id!r}"
+            )
+        ok, reason, usage = fits(replica, pending_blocks, request.new_blocks, self.cfg)
+        if self._store.has_waiting(request.replica_id, request.priority):
+            ok, reason = False, "queued_behind"
+        if ok:
+            return AdmissionDecision("admit", reason, projected_usage=usage)
+        if len(self._store) < self.cfg.max_queue:
+            self._store.push(request)
+            return AdmissionDecision("queue", reason, projected_usage=usage)
+        victim = self._store.displaceable(request.priority) if self.cfg.max_queue else None
+        if victim is None:
+            retry = self.retry_after_s(request.enqueued_at)
+            return AdmissionDecision("reject", "queue_full", retry, usage)
+        self._store.remove([victim])
+        self._store.push(request)
+        return AdmissionDecision("queue", reason, projected_usage=usage, displaced=victim)
+
+    def retry_after_s(self, now: float) -> float:
+        """When a slot should free: the oldest request's expiry, within [1, queue_timeout_s]."""
+        timeout = self.cfg.queue_timeout_s
+        oldest = self._store.oldest_enqueued_at()
+        left = timeout if oldest is None else oldest + timeout - now
+        return min(max(left, 1.0), max(timeout, 1.0))
+
+    def pop_admissible(
+        self, replicas: Sequence[ReplicaView], pending: Mapping[ReplicaId, int], now: float
+    ) -> list[AdmissionRequest]:
+        """Remove and return the queued requests that fit now, in service order.
+
+        ``pending``: per replica, blocks admitted but not yet in its usage (missing = 0).
+        Requests popped here count against their replica for the later ones. Once one
+        request for a replica does not fit, none behind it for that replica is taken (no
+        overtaking). Requests whose replica is absent or unhealthy, or already expired at
+        ``now``, stay queued (see ``drop_replica`` and ``expire``).
+        """
+        views = {r.replica_id: r for r in replicas}
+        extra_blocks = {rid: pending.get(rid, 0) for rid in views}
+        extra_in_flight = dict.fromkeys(views, 0)
+        blocked: set[ReplicaId] = set()
+        taken: list[AdmissionRequest] = []
+        for req in self._store.in_order():
+            rid = req.replica_id
+            view = views.get(rid)
+            if rid in blocked or view is None or not view.healthy or self._expired(req, now):
+                continue
+            now_view = replace(view, in_flight=view.in_flight + extra_in_flight[rid])
+            if not fits(now_view, extra_blocks[rid], req.new_blocks, self.cfg)[0]:
+                blocked.add(rid)
+                continue
+            taken.append(req)
+            extra_blocks[rid] += req.new_blocks
+            extra_in_flight[rid] += 1
+        self._store.remove(taken, served=True)
+        return taken
+
+    def expire(self, now: float) -> list[AdmissionRequest]:
+        """Remove and return requests queued longer than ``queue_timeout_s`` (reject them)."""
+        gone = [r for r in self._store.in_order() if self._expired(r, now)]
+        self._store.remove(gone)
+        return gone
+
+    def drop_replica(self, replica_id: ReplicaId) -> list[AdmissionRequest]:
+        """Remove and return the requests queued for ``replica_id`` (re-route them)."""
+        gone = [r for r in self._store.in_order() if r.replica_id == replica_id]
+        self._store.remove(gone)
+        return gone
+
+    def check_integrity(self) -> None:
+        """Raise ``RuntimeError('bug: ...')`` if the queue is over capacity or malformed."""
+        if len(self._store) > self.cfg.max_queue:
+            raise RuntimeError(f"bug: {len(self._store)} queued > max_queue {self.cfg.max_queue}")
+        self._store.check_integrity()
+
+    def _expired(self, req: AdmissionRequest, now: float) -> bool:
+        return now - req.enqueued_at > self.cfg.queue_timeout_s

@@ -1,0 +1,106 @@
+"""AdmissionQueueStore: the storage and service order behind ``AdmissionQueue``.
+
+Layout (service order left to right)::
+
+    continuing sessions, round-robin over ids      group members   new requests
+    {s1: [a, b], s2: [c], s3: [d]} -> a c d b      [g1, g2, ...]   [n1, n2, ...]
+
+A session moves to the back of the rotation when one of its requests is served; a new
+session joins at the back. Requests are held by identity (two equal frozen requests are
+still two requests).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+from itertools import chain, zip_longest
+from typing import TYPE_CHECKING, Literal, get_args
+
+if TYPE_CHECKING:
+    from cache_policy.admission import AdmissionRequest
+
+Priority = Literal["continuing_session", "group_member", "new"]
+PRIORITIES: tuple[Priority, ...] = get_args(Priority)
+"""Priority classes, highest first."""
+
+_RANK = {p: i for i, p in enumerate(PRIORITIES)}
+
+
+class AdmissionQueueStore:
+    """Queued ``AdmissionRequest``s by priority class; no capacity logic (the queue has it).
+
+    Invariants: no session list is empty; every request in ``_sessions[s]`` is a
+    continuing-session request of session ``s``; ``_group`` holds only group members and
+    ``_new`` only new requests, each in arrival order.
+    """
+
+    def __init__(self) -> None:
+        self._sessions: OrderedDict[str, list[AdmissionRequest]] = OrderedDict()
+        self._group: list[AdmissionRequest] = []
+        self._new: list[AdmissionRequest] = []
+
+    def __len__(self) -> int:
+        return sum(map(len, self._sessions.values())) + len(self._group) + len(self._new)
+
+    def push(self, req: AdmissionRequest) -> None:
+        """Queue ``req`` at the back of its class (its session's list for sessions)."""
+        if req.priority == "continuing_session":
+            assert req.session_id is not None, "bug: continuing request without session"
+            self._sessions.setdefault(req.session_id, []).append(req)
+        elif req.priority == "group_member":
+            self._group.append(req)
+        else:
+            self._new.append(req)
+
+    def in_order(self) -> list[AdmissionRequest]:
+        """All queued requests in service order."""
+        rounds = zip_longest(*self._sessions.values())
+        continuing = [r for r in chain.from_iterable(rounds) if r is not None]
+        return continuing + self._group + self._new
+
+    def remove(self, reqs: Iterable[AdmissionRequest], *, served: bool = False) -> None:
+        """Remove ``reqs`` (by identity); ``served`` rotates their sessions to the back."""
+        gone = {id(r) for r in reqs}
+        if not gone:
+            return
+        touched = [s for s, q in self._sessions.items() if any(id(r) in gone for r in q)]
+        for sid in touched:
+            rest = [r for r in self._sessions[sid] if id(r) not in gone]
+            if rest:
+                self._sessions[sid] = rest
+                if served:
+                    self._sessions.move_to_end(sid)
+            else:
+                del self._sessions[sid]
+        self._group = [r for r in self._group if id(r) not in gone]
+        self._new = [r for r in self._new if id(r) not in gone]
+
+    def has_waiting(self, replica_id: str, priority: Priority) -> bool:
+        """Whether a request of equal or higher priority waits for ``replica_id``."""
+        rank = _RANK[priority]
+        return any(
+            r.replica_id == replica_id and _RANK[r.priority] <= rank for r in self.in_order()
+        )
+
+    def displaceable(self, priority: Priority) -> AdmissionRequest | None:
+        """The newest request of the lowest class strictly below ``priority``, if any."""
+        rank = _RANK[priority]
+        for cls_rank, queue in ((2, self._new), (1, self._group)):
+            if cls_rank > rank and queue:
+                return queue[-1]
+        return None
+
+    def oldest_enqueued_at(self) -> float | None:
+        """Earliest ``enqueued_at`` among queued requests, or ``None`` when empty."""
+        return min((r.enqueued_at for r in self.in_order()), default=None)
+
+    def check_integrity(self) -> None:
+        """Raise ``RuntimeError('bug: ...')`` if an invariant of the class is broken."""
+        for sid, q in self._sessions.items():
+            if not q or any(r.session_id != sid or r.priority != "continuing_session" for r in q):
+                raise RuntimeError(f"bug: malformed session queue {sid!r}")
+        if any(r.priority != "group_member" for r in self._group):
+            raise RuntimeError("bug: non-group request in the group queue")
+        if any(r.priority != "new" for r in self._new):
+            raise RuntimeError("bug: non-new request in the new queue")

@@ -1,0 +1,177 @@
+"""PrefixAffinityPolicy: pins, then longest cached prefix, then least load (DESIGN rule 2).
+
+The balance guard follows SGLang's cache-aware policy (``sgl-router/src/policies/
+cache_aware.rs``): the system is imbalanced when ``max_load - min_load >
+balance_abs_threshold`` and ``max_load > balance_rel_threshold * min_load``; then a
+prefix-based choice goes to the least loaded replica instead. Differences from SGLang:
+loads are taken over healthy replicas only, a cache miss goes to the least loaded replica
+(not the one with the smallest tree), ties are broken by the injected ``rng``, and pins
+(sessions, GRPO groups) come first and are not subject to the guard.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+
+from cache_policy.config import PolicyConfig
+from cache_policy.pins import Pin, PinKind, PinTable
+from cache_policy.prefix_index import PrefixIndex
+from cache_policy.selection import healthy, least_loaded, load, longest_prefix
+from cache_policy.types import Decision, ReplicaId, ReplicaView, RequestView, RouteReason
+
+_PIN_ORDER: tuple[tuple[PinKind, RouteReason], ...] = (
+    ("session", RouteReason.SESSION),
+    ("group", RouteReason.GROUP),
+)
+
+
+class PrefixAffinityPolicy:
+    """Route by session pin -> group pin -> longest prefix -> least load.
+
+    State: ``index`` (block hash -> replicas, filled by ``on_routed``) and ``pins``
+    (session/group -> replica, with each pin's own in-flight count). ``select`` reads
+    state (and refreshes LRU positions); ``on_routed`` / ``on_finished`` write it.
+
+    * A pin holds while its replica is healthy, present and not overloaded: its load less
+      the pin's own in-flight requests exceeds ``repin_overload_factor * min(other healthy
+      loads) + balance_abs_threshold``. Otherwise it moves (``REPIN``) to the healthy
+      replica with the longest prefix, ties -> least loaded -> rng, leaving out an
+      overloaded pinned replica; ``Decision.extra`` says ``moved_pin`` and ``from``.
+    * Without a pin, the replica holding the most leading blocks wins (``PREFIX``) when it
+      holds at least ``cache_threshold`` of the request's blocks (and at least one),
+      unless the balance guard engages (``BALANCE``: least loaded, ties -> longest prefix
+      -> rng). Otherwise the least loaded replica, ties by rng (``LOAD``).
+    """
+
+    name = "prefix_affinity"
+
+    def __init__(self, cfg: PolicyConfig, rng: random.Random) -> None:
+        self.cfg = cfg
+        self.rng = rng
+        self.index = PrefixIndex(cfg.max_index_blocks)
+        self.pins = PinTable(cfg.max_pins)
+
+    def select(self, request: RequestView, replicas: Sequence[ReplicaView]) -> Decision | None:
+        """Where ``request`` should go; ``None`` when no replica is healthy."""
+        candidates = healthy(replicas)
+        if not candidates:
+            return None
+        matched = self.index.match(request.block_hashes)
+        by_id = {r.replica_id: r for r in replicas}
+        pinned = self._from_pins(request, by_id, candidates, matched)
+        if pinned is not None:
+            return pinned
+        return self._from_prefix_or_load(request, candidates, matched)
+
+    def on_routed(self, request: RequestView, decision: Decision) -> None:
+        """Pin the session (always) and the group (if new or moved); index the prompt."""
+        rid = decision.replica_id
+        if request.session_id is not None:
+            self.pins.record("session", request.session_id, rid)
+            self.pins.started("session", request.session_id, rid)
+        if request.group_id is not None:
+            moved = decision.extra.get("moved_pin") == "group"
+            if moved or self.pins.get("group", request.group_id) is None:
+                self.pins.record("group", request.group_id, rid)
+            self.pins.started("group", request.group_id, rid)
+        self.index.insert(request.block_hashes, rid)
+
+    def on_finished(self, request: RequestView, replica_id: ReplicaId) -> None:
+        """Release the request's share of its pins' own in-flight counts."""
+        if request.session_id is not None:
+            self.pins.finished("session", request.session_id, replica_id)
+        if request.group_id is not None:
+            self.pins.finished("group", request.group_id, replica_id)
+
+    def on_replicas_changed(self, replica_ids: Sequence[ReplicaId]) -> None:
+        """Drop the pins and index entries of replicas no longer in ``replica_ids``."""
+        current = set(replica_ids)
+        for gone in (self.index.replicas() | self.pins.replicas()) - current:
+            self.forget_replica(gone)
+
+    def forget_replica(self, replica_id: ReplicaId) -> None:
+        """Forget ``replica_id``'s pins and blocks (it left, restarted or flushed its cache)."""
+        self.index.remove_replica(replica_id)
+        self.pins.drop_replica(replica_id)
+
+    def check_integrity(self) -> None:
+        """Raise ``RuntimeError('bug: ...')`` if the index or the pin table is corrupt."""
+        self.index.check_integrity()
+        self.pins.check_integrity()
+
+    def _from_pins(
+        self,
+        request: RequestView,
+        by_id: Mapping[ReplicaId, ReplicaView],
+        candidates: Sequence[ReplicaView],
+        matched: Mapping[ReplicaId, int],
+    ) -> Decision | None:
+        keys = {"session": request.session_id, "group": request.group_id}
+        for kind, reason in _PIN_ORDER:
+            key = keys[kind]
+            pin = self.pins.get(kind, key) if key is not None else None
+            if pin is None:
+                continue
+            view = by_id.get(pin.replica)
+            if view is not None and view.healthy and not self._overloaded(view, pin, candidates):
+                return _decide(view, reason, matched)
+            return self._repin(kind, pin, candidates, matched)
+        return None
+
+    def _overloaded(self, view: ReplicaView, pin: Pin, candidates: Sequence[ReplicaView]) -> bool:
+        others = [load(c) for c in candidates if c.replica_id != view.replica_id]
+        if not others:
+            return False
+        foreign = max(0, load(view) - pin.own_in_flight)
+        limit = self.cfg.repin_overload_factor * min(others) + self.cfg.balance_abs_threshold
+        return foreign > limit
+
+    def _repin(
+        self,
+        kind: PinKind,
+        pin: Pin,
+        candidates: Sequence[ReplicaView],
+        matched: Mapping[ReplicaId, int],
+    ) -> Decision:
+        pool = [c for c in candidates if c.replica_id != pin.replica] or list(candidates)
+        chosen = longest_prefix(pool, matched, self.rng)
+        extra = {"moved_pin": kind, "from": str(pin.replica)}
+        return _decide(chosen, RouteReason.REPIN, matched, extra)
+
+    def _from_prefix_or_load(
+        self,
+        request: RequestView,
+        candidates: Sequence[ReplicaView],
+        matched: Mapping[ReplicaId, int],
+    ) -> Decision:
+        n_blocks = len(request.block_hashes)
+        best = longest_prefix(candidates, matched, self.rng)
+        hit = matched.get(best.replica_id, 0)
+        if hit == 0 or hit < self.cfg.cache_threshold * n_blocks:
+            return _decide(least_loaded(candidates, self.rng), RouteReason.LOAD, matched)
+        floor = min(load(c) for c in candidates)
+        if self._imbalanced(candidates) and load(best) > floor:
+            idle = [c for c in candidates if load(c) == floor]
+            chosen = longest_prefix(idle, matched, self.rng)
+            return _decide(chosen, RouteReason.BALANCE, matched)
+        return _decide(best, RouteReason.PREFIX, matched)
+
+    def _imbalanced(self, candidates: Sequence[ReplicaView]) -> bool:
+        loads = [load(c) for c in candidates]
+        hi, lo = max(loads), min(loads)
+        return hi - lo > self.cfg.balance_abs_threshold and hi > self.cfg.balance_rel_threshold * lo
+
+
+def _decide(
+    view: ReplicaView,
+    reason: RouteReason,
+    matched: Mapping[ReplicaId, int],
+    extra: dict[str, str] | None = None,
+) -> Decision:
+    return Decision(
+        replica_id=view.replica_id,
+        reason=reason,
+        matched_blocks=matched.get(view.replica_id, 0),
+        extra=extra or {},
+    )

@@ -1,0 +1,88 @@
+"""PolicyConfig: every routing and admission threshold, with its default written once.
+
+Sources: the balance thresholds and ``cache_threshold`` follow SGLang's cache-aware
+policy (``sgl-router/src/policies/cache_aware.rs``); the admission fields implement
+DESIGN rule 3. Validation raises ``ValueError`` naming the field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """Thresholds of ``cache_policy``; frozen, validated in ``__post_init__``."""
+
+    balance_abs_threshold: int = 4
+    """Load gap (in-flight + waiting requests) above which the system may be imbalanced."""
+
+    balance_rel_threshold: float = 1.5
+    """Imbalanced only if also ``max_load > balance_rel_threshold * min_load``."""
+
+    cache_threshold: float = 0.3
+    """Fraction of a request's full prompt blocks a replica must hold to be preferred."""
+
+    max_index_blocks: int = 200_000
+    """Capacity of the prefix index in distinct block hashes; least recently used go first."""
+
+    max_pins: int = 100_000
+    """Capacity of the session and group pin table (shared); least recently used go first."""
+
+    repin_overload_factor: float = 3.0
+    """A pin moves when its replica's load (less the pin's own in-flight requests) exceeds
+    ``repin_overload_factor * min(other loads) + balance_abs_threshold``."""
+
+    high_watermark: float = 0.85
+    """Admit while projected KV cache usage (fraction of ``num_gpu_blocks``) stays at or below."""
+
+    max_queue: int = 256
+    """Requests that may wait for admission (all replicas together); beyond it, reject (429)."""
+
+    queue_timeout_s: float = 30.0
+    """Seconds a request may wait in the admission queue before it expires (429)."""
+
+    session_idle_s: float = 120.0
+    """A session unseen for longer than this is no longer live (not a continuing session)."""
+
+    max_in_flight_per_replica: int = 256
+    """Admission fallback when a replica's ``num_gpu_blocks`` is unknown (0): admit while
+    its in-flight count is below this (vLLM's default ``max_num_seqs`` is 256)."""
+
+    def __post_init__(self) -> None:
+        _at_least(self, "balance_abs_threshold", 0)
+        _at_least(self, "balance_rel_threshold", 1.0)
+        _in_unit(self, "cache_threshold", low_open=False)
+        _at_least(self, "max_index_blocks", 1)
+        _at_least(self, "max_pins", 1)
+        _at_least(self, "repin_overload_factor", 1.0)
+        _in_unit(self, "high_watermark", low_open=True)
+        _at_least(self, "max_queue", 0)
+        _positive(self, "queue_timeout_s")
+        _positive(self, "session_idle_s")
+        _at_least(self, "max_in_flight_per_replica", 1)
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        """Names of all fields, for CLI/YAML generation and checks."""
+        return tuple(f.name for f in fields(cls))
+
+
+def _at_least(cfg: PolicyConfig, name: str, low: float) -> None:
+    value = getattr(cfg, name)
+    if not value >= low:
+        raise ValueError(f"PolicyConfig.{name} must be >= {low}, got {value!r}")
+
+
+def _positive(cfg: PolicyConfig, name: str) -> None:
+    value = getattr(cfg, name)
+    if not value > 0:
+        raise ValueError(f"PolicyConfig.{name} must be > 0, got {value!r}")
+
+
+def _in_unit(cfg: PolicyConfig, name: str, *, low_open: bool) -> None:
+    value = getattr(cfg, name)
+    ok = (0 < value <= 1) if low_open else (0 <= value <= 1)
+    if not ok:
+        bounds = "(0, 1]" if low_open else "[0, 1]"
+        raise ValueError(f"PolicyConfig.{name} must be in {bounds}, got {value!r}")

@@ -1,0 +1,133 @@
+"""Chained block hashes of token prefixes (DESIGN rule 1).
+
+A prompt is cut into blocks of ``block_size`` tokens; only *full* blocks are hashed (a
+partial tail block is never cached by vLLM either). Block ``i`` is identified by
+
+    h_i = xxh3_64(le_u64(h_{i-1}) || le_u32(t_0) || ... || le_u32(t_{B-1}) [|| 0x01 || salt], seed)
+
+with ``h_{-1} = 0`` and the ``0x01 || utf-8(cache_salt)`` suffix present on block 0 only,
+as vLLM folds ``cache_salt`` into the extra keys of the first block
+(``generate_block_hash_extra_keys`` / ``hash_block_tokens``): a salt changes block 0 and,
+through the chain, every later block. Because the token part has a fixed length
+(``4 * block_size`` bytes), the optional suffix is unambiguous.
+
+These hashes are the router's own prefix keys; they are not vLLM's internal block hashes
+(those use a per-process random ``NONE_HASH``), only built the same way.
+
+Errors: ``ValueError`` for ``block_size <= 0``, an empty ``cache_salt``, or a token id
+outside ``[0, 2**32)``.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+
+import xxhash
+
+from cache_policy.types import BlockHash
+
+_ROOT_PARENT = 0
+"""Parent hash of block 0 (``h_{-1}``)."""
+
+_SALT_MARKER = b"\x01"
+_PARENT = struct.Struct("<Q")
+
+
+def _check_block_size(block_size: int) -> None:
+    if block_size <= 0:
+        raise ValueError(f"block_size must be a positive number of tokens, got {block_size}")
+
+
+def _salt_bytes(cache_salt: str | None) -> bytes:
+    if cache_salt is None:
+        return b""
+    if not cache_salt:
+        raise ValueError("cache_salt must be None or a non-empty string, got ''")
+    return _SALT_MARKER + cache_salt.encode("utf-8")
+
+
+def _pack_tokens(token_ids: Sequence[int]) -> bytes:
+    """``token_ids`` as little-endian uint32; ValueError naming ``token_ids`` otherwise."""
+    try:
+        return struct.pack(f"<{len(token_ids)}I", *token_ids)
+    except struct.error as exc:
+        bad = next((t for t in token_ids if not 0 <= t < 2**32), None)
+        raise ValueError(f"token_ids must be integers in [0, 2**32), got {bad!r}") from exc
+
+
+def _hash_chain(
+    packed: bytes, block_size: int, parent: int, salt: bytes, seed: int
+) -> list[BlockHash]:
+    """Hash every full block of ``packed`` (uint32 tokens), chained from ``parent``.
+
+    ``salt`` (already encoded, or ``b""``) is appended to the first block of ``packed``.
+    """
+    stride = 4 * block_size
+    out: list[BlockHash] = []
+    for start in range(0, len(packed) - stride + 1, stride):
+        extra = salt if start == 0 else b""
+        data = _PARENT.pack(parent) + packed[start : start + stride] + extra
+        parent = xxhash.xxh3_64_intdigest(data, seed=seed)
+        out.append(BlockHash(parent))
+    return out
+
+
+def block_hashes(
+    token_ids: Sequence[int],
+    block_size: int,
+    cache_salt: str | None = None,
+    *,
+    seed: int = 0,
+) -> list[BlockHash]:
+    """Chained hashes of the full blocks of ``token_ids``.
+
+    Returns ``len(token_ids) // block_size`` hashes, in block order. ``seed`` seeds xxh3
+    and must be the same for every component that compares hashes (router, tests, bench).
+    """
+    _check_block_size(block_size)
+    salt = _salt_bytes(cache_salt)
+    packed = _pack_tokens(token_ids)  # validates the partial tail block too
+    return _hash_chain(packed, block_size, _ROOT_PARENT, salt, seed)
+
+
+class BlockHasher:
+    """Incremental form of :func:`block_hashes` for a growing token sequence.
+
+    Turn ``k`` of a session is turn ``k-1`` plus new tokens: ``extend`` hashes only the
+    blocks completed by the new tokens. Invariant: after any sequence of ``extend`` calls,
+    ``hashes == block_hashes(all tokens so far, block_size, cache_salt, seed=seed)`` and
+    ``0 <= len(pending tokens) < block_size``.
+    """
+
+    def __init__(self, block_size: int, cache_salt: str | None = None, *, seed: int = 0) -> None:
+        _check_block_size(block_size)
+        self.block_size = block_size
+        self.cache_salt = cache_salt
+        self.seed = seed
+        self._salt = _salt_bytes(cache_salt)
+        self._hashes: list[BlockHash] = []
+        self._pending: list[int] = []
+
+    @property
+    def hashes(self) -> tuple[BlockHash, ...]:
+        """All full-block hashes so far, in block order."""
+        return tuple(self._hashes)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens seen so far, including the partial tail block."""
+        return len(self._hashes) * self.block_size + len(self._pending)
+
+    def extend(self, token_ids: Sequence[int]) -> list[BlockHash]:
+        """Append ``token_ids``; return the hashes of the blocks they complete."""
+        tokens = self._pending + list(token_ids)
+        n_full = len(tokens) // self.block_size * self.block_size
+        packed = _pack_tokens(tokens)  # validates the tail too
+        parent = self._hashes[-1] if self._hashes else _ROOT_PARENT
+        salt = b"" if self._hashes else self._salt
+        new = _hash_chain(packed[: 4 * n_full], self.block_size, parent, salt, self.seed)
+        self._hashes.extend(new)
+        self._pending = tokens[n_full:]
+        assert len(self._pending) < self.block_size, "bug: pending tail holds a full block"
+        return new

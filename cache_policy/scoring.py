@@ -1,0 +1,117 @@
+"""The scoring cap and the bound on what prefix reuse can save (DESIGN rule 5, seed 000).
+
+A scoring request sends context (``P`` tokens) + response, ``N`` tokens in all, and asks
+for per-position scores from ``S = P - 1`` on: the output at the last context position
+predicts the first response token. The prefix cache stores keys/values, not logits, so a
+hit that covers position ``S`` or later loses scores. Hence the cap
+
+    cached prefix H <= min(S, N - 1)            (then rounded down to a block)
+
+    |<------ context P ------>|<--- response R --->|
+    [0 ............. H)[H .. S][S ............. N)
+     reused from cache  computed   computed and scored
+
+Errors: ``ValueError`` naming ``context`` (P < 1), ``responses`` (an empty response,
+N <= P, or no responses), or ``block_size`` (<= 0).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ScoringCap:
+    """The cap of one scoring request, in tokens.
+
+    ``context_len`` P, ``input_len`` N (context + response), ``start`` S = P - 1 (first
+    scored position), ``cap_tokens`` = min(S, N - 1) (most tokens a cache hit may cover,
+    before rounding down to a block).
+    """
+
+    context_len: int
+    input_len: int
+    start: int
+    cap_tokens: int
+
+    def __post_init__(self) -> None:
+        assert self.start == self.context_len - 1, f"bug: start {self.start} != P - 1"
+        assert self.cap_tokens == min(self.start, self.input_len - 1), "bug: cap != min(S, N-1)"
+
+
+def scoring_cap(context_len: int, input_len: int) -> ScoringCap:
+    """The cap for context length P = ``context_len`` and input length N = ``input_len``."""
+    if context_len < 1:
+        raise ValueError(
+            f"context must hold at least 1 token (context_len >= 1), got {context_len}"
+        )
+    if input_len <= context_len:
+        raise ValueError(
+            f"responses must be non-empty: input_len {input_len} must exceed "
+            f"context_len {context_len}"
+        )
+    start = context_len - 1
+    return ScoringCap(context_len, input_len, start, min(start, input_len - 1))
+
+
+def cached_tokens_bound(cap_tokens: int, block_size: int) -> int:
+    """Most tokens the cache can serve under ``cap_tokens``: rounded down to a block.
+
+    Example (seed 000): S = 2047, 16-token blocks -> 2032; 32-token blocks -> 2016.
+    """
+    if block_size <= 0:
+        raise ValueError(f"block_size must be a positive number of tokens, got {block_size}")
+    if cap_tokens < 0:
+        raise ValueError(f"cap_tokens must be >= 0, got {cap_tokens}")
+    return cap_tokens // block_size * block_size
+
+
+def _check_group(context_len: int, response_lens: Sequence[int]) -> None:
+    if context_len < 1:
+        raise ValueError(
+            f"context must hold at least 1 token (context_len >= 1), got {context_len}"
+        )
+    if not response_lens:
+        raise ValueError("responses must be a non-empty list of response lengths")
+    if min(response_lens) < 1:
+        raise ValueError(
+            f"responses must be non-empty (each length >= 1), got {list(response_lens)}"
+        )
+
+
+def speedup_bound(context_len: int, response_lens: Sequence[int]) -> float:
+    """Upper bound on prefill speedup from reusing a shared context of P tokens.
+
+    Counting prefilled tokens (ignoring that attention grows with position): without reuse
+    every request computes P + R_k; with perfect reuse the context is computed once:
+
+        bound = sum_k (P + R_k) / (P + sum_k R_k)
+
+    which is ``K (P + R) / (P + K R)`` for K equal responses of R tokens
+    (seed 000: P=3500, R=30, K=4 -> 3.90; P=175, R=730, K=4 -> 1.17).
+    """
+    _check_group(context_len, response_lens)
+    uncached = sum(context_len + r for r in response_lens)
+    return uncached / (context_len + sum(response_lens))
+
+
+def ideal_computed_tokens(context_len: int, response_lens: Sequence[int], block_size: int) -> int:
+    """Tokens computed when K scoring requests sharing a context run in sequence, from an
+    empty cache, with bounded reuse.
+
+    Request 0 has no hit and computes P + R_0. Request k >= 1 finds the context cached
+    (request 0 cached its full blocks) but may reuse only the capped, block-rounded hit
+    H_k = floor(min(P - 1, N_k - 1) / B) * B with N_k = P + R_k, so it computes
+    (P + R_k) - H_k. Since R_k >= 1, H_k = floor((P - 1) / B) * B for every k:
+
+        total = sum_k (P + R_k) - (K - 1) * floor((P - 1) / B) * B
+    """
+    _check_group(context_len, response_lens)
+    if block_size <= 0:
+        raise ValueError(f"block_size must be a positive number of tokens, got {block_size}")
+    total = context_len + response_lens[0]
+    for r in response_lens[1:]:
+        cap = scoring_cap(context_len, context_len + r).cap_tokens
+        total += context_len + r - cached_tokens_bound(cap, block_size)
+    return total

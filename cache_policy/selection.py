@@ -1,0 +1,66 @@
+"""Helpers shared by the policies: health filter, load, seeded tie-breaking, no-op hooks.
+
+Ties are always broken by the injected ``random.Random`` over candidates kept in the
+caller's replica order, never by position alone, so that a fixed seed reproduces a run.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from cache_policy.types import Decision, ReplicaId, ReplicaView, RequestView
+
+
+def healthy(replicas: Sequence[ReplicaView]) -> list[ReplicaView]:
+    """The healthy replicas, in the given order; ValueError on a duplicate replica id."""
+    ids = [r.replica_id for r in replicas]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"replicas must have distinct replica_id values, got {ids}")
+    return [r for r in replicas if r.healthy]
+
+
+def load(replica: ReplicaView) -> int:
+    """Load of one replica, in requests: the router's in-flight count plus the replica's
+    own waiting queue (``vllm:num_requests_waiting``, which also sees other clients)."""
+    return replica.in_flight + replica.num_waiting
+
+
+def pick_min(
+    candidates: Sequence[ReplicaView],
+    key: Callable[[ReplicaView], Any],
+    rng: random.Random,
+) -> ReplicaView:
+    """The candidate with the smallest ``key``; ties broken by ``rng``."""
+    assert candidates, "bug: pick_min on no candidates"
+    best = min(key(c) for c in candidates)
+    tied = [c for c in candidates if key(c) == best]
+    return tied[0] if len(tied) == 1 else rng.choice(tied)
+
+
+def least_loaded(candidates: Sequence[ReplicaView], rng: random.Random) -> ReplicaView:
+    """The least loaded candidate (see :func:`load`); ties broken by ``rng``."""
+    return pick_min(candidates, load, rng)
+
+
+def longest_prefix(
+    candidates: Sequence[ReplicaView],
+    matched: Mapping[ReplicaId, int],
+    rng: random.Random,
+) -> ReplicaView:
+    """The candidate holding the most leading blocks; ties -> least loaded -> ``rng``."""
+    return pick_min(candidates, lambda c: (-matched.get(c.replica_id, 0), load(c)), rng)
+
+
+class NoopHooks:
+    """The policy hooks, doing nothing; stateless policies inherit them."""
+
+    def on_routed(self, request: RequestView, decision: Decision) -> None:
+        """Called once the router has dispatched ``request`` as ``decision`` says."""
+
+    def on_finished(self, request: RequestView, replica_id: ReplicaId) -> None:
+        """Called when ``request`` ended on ``replica_id`` (success, error or disconnect)."""
+
+    def on_replicas_changed(self, replica_ids: Sequence[ReplicaId]) -> None:
+        """Called with the full current set of replica ids when it changes."""

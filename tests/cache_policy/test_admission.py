@@ -1,0 +1,208 @@
+"""Admission: projected usage, admit/queue/reject, service order, fairness, expiry."""
+
+from __future__ import annotations
+
+import pytest
+
+from cache_policy.admission import (
+    AdmissionQueue,
+    AdmissionRequest,
+    blocks_needed,
+    classify,
+    fits,
+    projected_usage,
+)
+from cache_policy.config import PolicyConfig
+from cache_policy.types import ReplicaId, ReplicaView
+
+A, B = ReplicaId("a"), ReplicaId("b")
+
+
+def view(rid: str = "a", **kw) -> ReplicaView:
+    kw.setdefault("in_flight", 1)
+    kw.setdefault("num_gpu_blocks", 100)
+    return ReplicaView(ReplicaId(rid), **kw)
+
+
+def ar(
+    rid: str = "a",
+    blocks: int = 10,
+    prio: str = "new",
+    sid: str | None = None,
+    t: float = 0.0,
+    rid_: str = "",
+):
+    return AdmissionRequest(ReplicaId(rid), blocks, prio, sid, t, rid_)  # type: ignore[arg-type]
+
+
+def test_projected_usage() -> None:
+    assert projected_usage(view(kv_cache_usage=0.5, num_gpu_blocks=1000), 100, 50) == 0.65
+    assert projected_usage(view(num_gpu_blocks=0), 100, 50) is None
+    with pytest.raises(ValueError, match="pending_blocks"):
+        projected_usage(view(), -1, 0)
+
+
+def test_blocks_needed_and_classify() -> None:
+    assert blocks_needed(100, 2, 32) == 2  # ceil(100 / 32) = 4 blocks, 2 hit
+    assert blocks_needed(64, 5, 32) == 0
+    with pytest.raises(ValueError, match="block_size"):
+        blocks_needed(10, 0, 0)
+    assert classify(True, True) == "continuing_session"
+    assert classify(False, True) == "group_member"
+    assert classify(False, False) == "new"
+
+
+def test_fits() -> None:
+    cfg = PolicyConfig()
+    ok, reason, usage = fits(view(kv_cache_usage=0.8), 0, 5, cfg)  # 0.8 + 0.05 == watermark
+    assert (ok, reason, usage) == (True, "under_watermark", pytest.approx(0.85))
+    assert fits(view(kv_cache_usage=0.8), 1, 5, cfg)[:2] == (False, "kv_watermark")
+    assert fits(view(in_flight=0, kv_cache_usage=0.0), 0, 500, cfg)[:2] == (True, "idle")
+    assert fits(view(num_gpu_blocks=0, in_flight=255), 0, 5, cfg) == (
+        True,
+        "under_in_flight_cap",
+        None,
+    )
+    assert fits(view(num_gpu_blocks=0, in_flight=256), 0, 5, cfg)[:2] == (False, "in_flight_cap")
+
+
+def test_request_validation() -> None:
+    with pytest.raises(ValueError, match="session_id"):
+        ar(prio="continuing_session")
+    with pytest.raises(ValueError, match="new_blocks"):
+        ar(blocks=-1)
+    with pytest.raises(ValueError, match="priority"):
+        ar(prio="urgent")
+
+
+def test_admit_queue_reject() -> None:
+    q = AdmissionQueue(PolicyConfig(max_queue=2, queue_timeout_s=30.0))
+    full = view(kv_cache_usage=0.8)
+    assert q.admit(ar(blocks=5), full, 0).verdict == "admit"
+    d = q.admit(ar(blocks=10, t=0.0), full, 0)
+    assert (d.verdict, d.reason, d.retry_after_s) == ("queue", "kv_watermark", None)
+    assert d.projected_usage == pytest.approx(0.9)
+    assert q.admit(ar(blocks=10, t=4.0), full, 0).verdict == "queue"
+    rejected = q.admit(ar(blocks=10, t=10.0), full, 0)
+    assert (rejected.verdict, rejected.reason, rejected.retry_after_s) == (
+        "reject",
+        "queue_full",
+        20.0,
+    )
+    assert len(q) == 2
+    q.check_integrity()
+
+
+def test_zero_queue_rejects_at_once() -> None:
+    q = AdmissionQueue(PolicyConfig(max_queue=0))
+    d = q.admit(ar(blocks=50), view(kv_cache_usage=0.8), 0)
+    assert d.verdict == "reject" and d.retry_after_s == 30.0
+
+
+def test_full_queue_displaces_lower_priority() -> None:
+    q = AdmissionQueue(PolicyConfig(max_queue=2))
+    full = view(kv_cache_usage=0.9)
+    n1, g1 = ar(prio="new", rid_="n1"), ar(prio="group_member", rid_="g1")
+    q.admit(n1, full, 0)
+    q.admit(g1, full, 0)
+    d = q.admit(ar(prio="continuing_session", sid="s", rid_="c1"), full, 0)
+    assert d.verdict == "queue" and d.displaced is n1
+    d = q.admit(ar(prio="group_member", sid=None, rid_="g2"), full, 0)
+    assert d.verdict == "reject"  # nothing below group_member is queued any more
+    d = q.admit(ar(prio="continuing_session", sid="t", rid_="c2"), full, 0)
+    assert d.displaced is g1
+    assert [r.request_id for r in q.waiting()] == ["c1", "c2"]
+
+
+def test_no_overtaking_on_the_same_replica() -> None:
+    q = AdmissionQueue(PolicyConfig())
+    q.admit(ar(prio="continuing_session", sid="s", blocks=50), view(kv_cache_usage=0.5), 0)
+    small = q.admit(ar(blocks=1), view(kv_cache_usage=0.5), 0)
+    assert (small.verdict, small.reason) == ("queue", "queued_behind")
+    assert q.admit(ar("b", blocks=1), view("b", kv_cache_usage=0.5), 0).verdict == "admit"
+    higher = q.admit(ar(prio="continuing_session", sid="t", blocks=1), view(kv_cache_usage=0.5), 0)
+    assert higher.reason == "queued_behind"  # same class waits its turn too
+
+
+def test_service_order() -> None:
+    q = AdmissionQueue(PolicyConfig())
+    full = view(kv_cache_usage=1.0)
+    arrivals = [
+        ar(prio="new", rid_="n1"),
+        ar(prio="continuing_session", sid="s1", rid_="s1a"),
+        ar(prio="group_member", rid_="g1"),
+        ar(prio="continuing_session", sid="s2", rid_="s2a"),
+        ar(prio="continuing_session", sid="s1", rid_="s1b"),
+        ar(prio="new", rid_="n2"),
+        ar(prio="continuing_session", sid="s3", rid_="s3a"),
+        ar(prio="group_member", rid_="g2"),
+    ]
+    for r in arrivals:
+        q.admit(r, full, 0)
+    order = [r.request_id for r in q.waiting()]
+    assert order == ["s1a", "s2a", "s3a", "s1b", "g1", "g2", "n1", "n2"]
+
+
+def test_pop_admissible_respects_capacity_and_order() -> None:
+    q = AdmissionQueue(PolicyConfig(high_watermark=0.85))
+    busy = view(kv_cache_usage=1.0)
+    for name, blocks, rid in [
+        ("x", 20, "a"),
+        ("y", 10, "a"),
+        ("z", 10, "a"),
+        ("w", 1, "a"),
+        ("v", 30, "b"),
+    ]:
+        q.admit(ar(rid, blocks=blocks, rid_=name), view(rid, kv_cache_usage=1.0), 0)
+    assert len(q) == 5 and busy.kv_cache_usage == 1.0
+    # a: room for 0.85 - 0.50 = 35 blocks: x (20) + y (10) fit, z would make 40;
+    # w (1) must not overtake z
+    replicas = [view("a", kv_cache_usage=0.5), view("b", kv_cache_usage=0.2)]
+    popped = q.pop_admissible(replicas, {B: 40}, now=1.0)
+    assert [r.request_id for r in popped] == ["x", "y"]  # b: 0.2 + (40 + 30) / 100 > 0.85
+    assert [r.request_id for r in q.waiting()] == ["z", "w", "v"]
+    popped = q.pop_admissible(
+        [view("a", kv_cache_usage=0.5), view("b", kv_cache_usage=0.2)], {}, now=2.0
+    )
+    assert [r.request_id for r in popped] == ["z", "w", "v"]
+    q.check_integrity()
+
+
+def test_pop_admissible_round_robin_over_sessions() -> None:
+    q = AdmissionQueue(PolicyConfig())
+    for name, sid in [("s1a", "s1"), ("s1b", "s1"), ("s1c", "s1"), ("s2a", "s2")]:
+        q.admit(
+            ar(prio="continuing_session", sid=sid, blocks=10, rid_=name),
+            view(kv_cache_usage=1.0),
+            0,
+        )
+    room_for_one = [view(kv_cache_usage=0.7)]  # 15 blocks of room
+    served = [q.pop_admissible(room_for_one, {}, now=1.0)[0].request_id for _ in range(4)]
+    assert served == ["s1a", "s2a", "s1b", "s1c"]
+    assert len(q) == 0
+
+
+def test_pop_admissible_leaves_unhealthy_and_absent_replicas() -> None:
+    q = AdmissionQueue(PolicyConfig())
+    q.admit(ar("a", rid_="ra"), view("a", kv_cache_usage=1.0), 0)
+    q.admit(ar("b", rid_="rb"), view("b", kv_cache_usage=1.0), 0)
+    assert q.pop_admissible([view("a", healthy=False, kv_cache_usage=0.0)], {}, now=1.0) == []
+    dropped = q.drop_replica(B)
+    assert [r.request_id for r in dropped] == ["rb"] and len(q) == 1
+
+
+def test_expire() -> None:
+    q = AdmissionQueue(PolicyConfig(queue_timeout_s=30.0))
+    for t in (0.0, 10.0, 20.0):
+        q.admit(ar(t=t, rid_=f"t{t:g}"), view(kv_cache_usage=1.0), 0)
+    popped = q.pop_admissible([view(in_flight=0, kv_cache_usage=0.8)], {}, now=35.0)
+    assert [r.request_id for r in popped] == ["t10"]  # idle replica: one; t0 already expired
+    assert [r.request_id for r in q.expire(35.0)] == ["t0"]
+    assert [r.request_id for r in q.expire(50.0)] == []
+    assert [r.request_id for r in q.expire(50.1)] == ["t20"]
+    assert len(q) == 0
+
+
+def test_admit_checks_the_replica_matches() -> None:
+    with pytest.raises(ValueError, match="replica"):
+        AdmissionQueue(PolicyConfig()).admit(ar("a"), view("b"), 0)

@@ -1,0 +1,61 @@
+"""PolicyConfig: defaults written once, validation names the field."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from cache_policy.config import PolicyConfig
+
+
+def test_defaults() -> None:
+    cfg = PolicyConfig()
+    assert (cfg.balance_abs_threshold, cfg.balance_rel_threshold, cfg.cache_threshold) == (
+        4,
+        1.5,
+        0.3,
+    )
+    assert (cfg.max_index_blocks, cfg.max_pins, cfg.repin_overload_factor) == (
+        200_000,
+        100_000,
+        3.0,
+    )
+    assert (cfg.high_watermark, cfg.max_queue, cfg.queue_timeout_s) == (0.85, 256, 30.0)
+    assert cfg.session_idle_s == 120.0
+    assert "max_in_flight_per_replica" in PolicyConfig.field_names()
+
+
+def test_is_frozen() -> None:
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        PolicyConfig().max_pins = 3  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("balance_abs_threshold", -1),
+        ("balance_rel_threshold", 0.9),
+        ("cache_threshold", 1.5),
+        ("cache_threshold", -0.1),
+        ("max_index_blocks", 0),
+        ("max_pins", 0),
+        ("repin_overload_factor", 0.5),
+        ("high_watermark", 0.0),
+        ("high_watermark", 1.01),
+        ("max_queue", -1),
+        ("queue_timeout_s", 0.0),
+        ("session_idle_s", -1.0),
+        ("max_in_flight_per_replica", 0),
+    ],
+)
+def test_invalid_field_raises_naming_it(field: str, value: float) -> None:
+    with pytest.raises(ValueError, match=field):
+        PolicyConfig(**{field: value})
+
+
+def test_edge_values_are_valid() -> None:
+    PolicyConfig(
+        balance_abs_threshold=0, balance_rel_threshold=1.0, cache_threshold=0.0, max_queue=0
+    )
+    PolicyConfig(cache_threshold=1.0, high_watermark=1.0)

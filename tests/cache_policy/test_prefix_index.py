@@ -1,0 +1,91 @@
+"""PrefixIndex: contiguous matching, LRU eviction from the tail, bounded size."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from cache_policy.prefix_index import PrefixIndex
+from cache_policy.types import BlockHash, ReplicaId
+
+A, B, C = ReplicaId("a"), ReplicaId("b"), ReplicaId("c")
+
+
+def hs(*values: int) -> list[BlockHash]:
+    return [BlockHash(v) for v in values]
+
+
+def test_match_counts_leading_blocks_per_replica() -> None:
+    index = PrefixIndex(100)
+    index.insert(hs(1, 2, 3, 4), A)
+    index.insert(hs(1, 2), B)
+    index.insert(hs(9), C)
+    assert index.match(hs(1, 2, 3, 4, 5)) == {A: 4, B: 2}
+    assert index.match(hs(1, 2, 7)) == {A: 2, B: 2}
+    assert index.match(hs(9, 2)) == {C: 1}
+    assert index.match(hs(5, 1)) == {}
+    assert index.match([]) == {}
+    index.check_integrity()
+
+
+def test_match_stops_at_first_block_not_held() -> None:
+    index = PrefixIndex(100)
+    index.insert(hs(1, 3), A)  # a hole at block 1 of (1, 2, 3)
+    index.insert(hs(2), A)
+    assert index.match(hs(1, 2, 3)) == {A: 3}
+    index.insert(hs(1, 3), B)
+    assert index.match(hs(1, 2, 3)) == {A: 3, B: 1}
+
+
+def test_remove_replica() -> None:
+    index = PrefixIndex(100)
+    index.insert(hs(1, 2), A)
+    index.insert(hs(1, 3), B)
+    index.remove_replica(A)
+    assert index.match(hs(1, 2)) == {B: 1}
+    assert len(index) == 2 and index.replicas() == {B}
+    assert index.blocks_of(A) == 0 and index.blocks_of(B) == 2
+    index.remove_replica(A)  # idempotent
+    index.check_integrity()
+
+
+def test_eviction_takes_a_prefix_tail_first() -> None:
+    index = PrefixIndex(4)
+    index.insert(hs(1, 2, 3, 4), A)
+    index.insert(hs(10, 11), B)  # evicts blocks 4 and 3, keeps the head 1, 2
+    assert len(index) == 4
+    assert index.match(hs(1, 2, 3, 4)) == {A: 2}
+    assert index.match(hs(10, 11)) == {B: 2}
+    index.check_integrity()
+
+
+def test_match_refreshes_lru() -> None:
+    index = PrefixIndex(3)
+    index.insert(hs(1), A)
+    index.insert(hs(2), A)
+    index.insert(hs(3), A)
+    index.match(hs(1))  # 1 is now the most recently used
+    index.insert(hs(4), A)  # evicts 2
+    assert index.match(hs(1)) == {A: 1}
+    assert index.match(hs(2)) == {}
+
+
+def test_size_bounded_under_churn() -> None:
+    rng = random.Random(0)
+    index = PrefixIndex(500)
+    replicas = [A, B, C]
+    for i in range(5000):
+        head = [BlockHash(rng.randrange(10))]  # a few shared heads
+        tail = [BlockHash(rng.randrange(2**63)) for _ in range(rng.randrange(1, 20))]
+        index.insert(head + tail, rng.choice(replicas))
+        assert len(index) <= 500
+        if i % 500 == 0:
+            index.check_integrity()
+    index.check_integrity()
+    assert sum(index.blocks_of(r) for r in replicas) >= len(index)
+
+
+def test_invalid_capacity() -> None:
+    with pytest.raises(ValueError, match="max_blocks"):
+        PrefixIndex(0)
