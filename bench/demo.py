@@ -130,7 +130,7 @@ def plot(results: list[RunResult], path: Path) -> None:
 async def run_demo(cfg: AppConfig, grpo: GrpoWorkload, agent: AgentWorkload, out: Path,
                    routers: Sequence[str] = ("prefix_affinity", "round_robin")) -> dict:
     """Start the replicas, run both workloads under each router, print and save the results."""
-    console = Console()
+    console = Console(width=150)
     console.print(f"starting {cfg.replicas.replica_count} vLLM replica(s) under Ray ...")
     tokenizer = PromptTokenizer(tokenizer_path(cfg))
     async with ReplicaSet(cfg.replicas) as replica_set:

@@ -12,7 +12,7 @@ from aiohttp import web
 
 from cache_policy.policy import make_policy
 from replicas.replica_set import ReplicaEndpoint
-from router import handlers, keys
+from router import handlers, keys, score
 from router.config import AppConfig
 from router.dispatch import Dispatcher
 from router.errors import error_middleware
@@ -32,6 +32,7 @@ def create_app(cfg: AppConfig, endpoints: Sequence[ReplicaEndpoint], tokenizer: 
     app.cleanup_ctx.extend([_http_session, _scraper])
     app.router.add_post("/v1/completions", handlers.completions)
     app.router.add_post("/v1/chat/completions", handlers.chat_completions)
+    app.router.add_post("/v1/score", score.score)
     app.router.add_get("/v1/models", handlers.models)
     app.router.add_get("/health", handlers.health)
     app.router.add_get("/metrics", app[keys.METRICS].handle)

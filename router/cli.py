@@ -22,6 +22,8 @@ _SIMPLE = (int, float, str)
 
 def _flag_type(cls: type, f: dataclasses.Field) -> type | None:
     hint = typing.get_type_hints(cls)[f.name]
+    if typing.get_origin(hint) is typing.Literal:
+        return str
     args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
     base = typing.get_origin(args[0]) or args[0]
     if base is typing.Literal:
