@@ -6,6 +6,7 @@ import random
 from dataclasses import dataclass
 
 import aiohttp
+import pytest
 import pytest_asyncio
 from aiohttp import web
 
@@ -33,3 +34,31 @@ def unique_prompt(seed: int, n: int, vocab: int = 1000) -> list[int]:
     """``n`` ordinary token IDs, distinct per seed so tests never hit each other's blocks."""
     rng = random.Random(1_000_003 * seed + n)
     return [rng.randrange(8, vocab) for _ in range(n)]
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory):
+    """A real ``redis-server`` on a free loopback port for the session (installed by scripts/test.sh)."""
+    import shutil
+    import socket
+    import subprocess
+    import time
+
+    binary = shutil.which("redis-server")
+    assert binary, "redis-server is not installed: run scripts/test.sh, which installs it"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    workdir = tmp_path_factory.mktemp("redis")
+    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             "--dir", str(workdir)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            break
+        except OSError:
+            time.sleep(0.05)
+    yield f"redis://127.0.0.1:{port}/0"
+    proc.terminate()
+    proc.wait(timeout=10)

@@ -1,0 +1,74 @@
+"""Request validation: every rejection names the offending field; routing keys are stripped."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.errors import BadRequest
+from router.parse import load_json_object, parse_chat, parse_completion
+from router.score import parse_score
+
+
+def test_routing_keys_from_body_are_removed_before_forwarding():
+    body = {"prompt": [1, 2, 3], "session_id": "s1", "group_id": 7, "weight_version": "3"}
+    parsed = parse_completion(body, {})
+    assert parsed.keys.session_id == "s1" and parsed.keys.group_id == "7" and parsed.keys.weight_version == 3
+    assert set(parsed.body) == {"prompt"}
+
+
+def test_routing_keys_from_headers():
+    parsed = parse_completion({"prompt": "hi"}, {"X-Session-Id": "abc", "X-Group-Id": "g", "X-Weight-Version": "2"})
+    assert (parsed.keys.session_id, parsed.keys.group_id, parsed.keys.weight_version) == ("abc", "g", 2)
+
+
+def test_single_element_prompt_list_is_unwrapped():
+    assert parse_completion({"prompt": [[5, 6]]}, {}).prompt == [5, 6]
+    assert parse_completion({"prompt": ["text"]}, {}).prompt == "text"
+
+
+@pytest.mark.parametrize("body,param", [
+    ({}, "prompt"),
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": [1, True]}, "prompt"),
+    ({"prompt": 5}, "prompt"),
+    ({"prompt": "x", "n": -1}, "n"),
+    ({"prompt": "x", "session_id": {"a": 1}}, "session_id"),
+    ({"prompt": "x", "weight_version": -3}, "weight_version"),
+])
+def test_completion_errors_name_the_field(body, param):
+    with pytest.raises(BadRequest) as err:
+        parse_completion(body, {})
+    assert err.value.param == param and err.value.status == 400
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"messages": "hi"}, "messages"),
+    ({"messages": [{"content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
+])
+def test_chat_errors_name_the_field(body, param):
+    with pytest.raises(BadRequest) as err:
+        parse_chat(body, {})
+    assert err.value.param == param
+
+
+@pytest.mark.parametrize("raw", [b"", b"[1, 2]", b"{bad", b"\xff\xfe"])
+def test_body_must_be_a_json_object(raw):
+    with pytest.raises(BadRequest) as err:
+        load_json_object(raw)
+    assert err.value.param == "body"
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"responses": [[1]]}, "context"),
+    ({"context": [1], "messages": [{"role": "user", "content": "x"}], "responses": [[1]]}, "context"),
+    ({"context": [1, 2]}, "responses"),
+    ({"context": [1, 2], "responses": []}, "responses"),
+    ({"context": [1, 2], "responses": [[1], []]}, "responses[1]"),
+    ({"context": [1, 2], "responses": [[1]], "top_logprobs": 99}, "top_logprobs"),
+])
+def test_score_errors_name_the_field(body, param):
+    with pytest.raises(BadRequest) as err:
+        parse_score(body, {})
+    assert err.value.param == param
