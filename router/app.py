@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import time
 from typing import AsyncIterator, Sequence
 
 import aiohttp
@@ -12,14 +13,16 @@ from aiohttp import web
 
 from cache_policy.policy import make_policy
 from replicas.replica_set import ReplicaEndpoint
-from router import handlers, keys, score
+from router import admin, handlers, keys, score
+from router.admission import AdmissionController
 from router.config import AppConfig
 from router.dispatch import Dispatcher
 from router.errors import error_middleware
 from router.metrics import RouterMetrics
 from router.pool import ReplicaPool
-from router.scrape import scrape_loop
+from router.scrape import scrape_once
 from router.tokenize import PromptTokenizer
+from router.versions import WeightVersions
 
 
 def create_app(cfg: AppConfig, endpoints: Sequence[ReplicaEndpoint], tokenizer: PromptTokenizer) -> web.Application:
@@ -29,6 +32,10 @@ def create_app(cfg: AppConfig, endpoints: Sequence[ReplicaEndpoint], tokenizer: 
     app[keys.POOL] = ReplicaPool(endpoints)
     app[keys.METRICS] = RouterMetrics()
     app[keys.TOKENIZER] = tokenizer
+    app[keys.VERSIONS] = WeightVersions(app[keys.POOL], cfg.router.weight_update_policy,
+                                        cfg.router.initial_weight_version, cfg.policy)
+    app[keys.ADMISSION] = AdmissionController(cfg.policy, app[keys.POOL], app[keys.METRICS].registry,
+                                              enabled=cfg.router.admission)
     app.cleanup_ctx.extend([_http_session, _scraper])
     app.router.add_post("/v1/completions", handlers.completions)
     app.router.add_post("/v1/chat/completions", handlers.chat_completions)
@@ -36,6 +43,8 @@ def create_app(cfg: AppConfig, endpoints: Sequence[ReplicaEndpoint], tokenizer: 
     app.router.add_get("/v1/models", handlers.models)
     app.router.add_get("/health", handlers.health)
     app.router.add_get("/metrics", app[keys.METRICS].handle)
+    app.router.add_post("/admin/weights", admin.post_weights)
+    app.router.add_get("/admin/weights", admin.get_weights)
     return app
 
 
@@ -43,12 +52,16 @@ async def _http_session(app: web.Application) -> AsyncIterator[None]:
     """The one ClientSession to the replicas, and the dispatcher that uses it."""
     cfg = app[keys.CONFIG]
     timeout = aiohttp.ClientTimeout(total=cfg.router.request_timeout_s, sock_connect=5)
-    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
+    # vLLM's server closes idle keep-alive connections after 5 s: drop ours sooner, so a
+    # pooled connection is never reused just as the server closes it.
+    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=3)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as http:
         app[keys.HTTP] = http
         policy = make_policy(cfg.router.policy, cfg.policy, random.Random(cfg.router.seed))
         policy.on_replicas_changed(app[keys.POOL].ids())
-        app[keys.DISPATCHER] = Dispatcher(cfg.router, app[keys.POOL], policy, app[keys.METRICS], http)
+        app[keys.DISPATCHER] = Dispatcher(cfg.router, app[keys.POOL], policy, app[keys.METRICS], http,
+                                          admission=app[keys.ADMISSION], versions=app[keys.VERSIONS])
+        app[keys.WEIGHT_UPDATER] = admin.WeightUpdater(cfg, app[keys.DISPATCHER])
         yield
 
 
@@ -57,8 +70,18 @@ async def _scraper(app: web.Application) -> AsyncIterator[None]:
     if interval <= 0:
         yield
         return
-    task = asyncio.create_task(scrape_loop(app[keys.HTTP], app[keys.POOL], app[keys.METRICS], interval))
+    task = asyncio.create_task(_scrape_loop(app, interval))
     yield
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
+
+
+async def _scrape_loop(app: web.Application, interval_s: float) -> None:
+    """Scrape every replica each ``interval_s`` seconds; each round wakes the admission queue."""
+    http, pool, metrics, admission = app[keys.HTTP], app[keys.POOL], app[keys.METRICS], app[keys.ADMISSION]
+    while True:
+        started = time.monotonic()
+        await asyncio.gather(*(scrape_once(http, s, metrics) for s in list(pool.states())))
+        admission.on_scrape(started)
+        await asyncio.sleep(interval_s)

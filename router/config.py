@@ -44,6 +44,27 @@ class RouterConfig:
     """Redis URL when state is 'redis'."""
     tokenizer: str | None = None
     """Tokenizer path for text prompts; default: the replicas' model."""
+    admission: bool = True
+    """Admission control (DESIGN rule 3): hold requests while their replica's projected KV usage
+    would pass ``policy.high_watermark``; 429 past ``policy.max_queue`` / ``queue_timeout_s``."""
+    admission_default_max_tokens: int = 256
+    """Output tokens admission reserves for a request that gives no ``max_tokens``."""
+    weight_update_policy: Literal["flush", "keep", "salt", "keep+salt"] = "keep+salt"
+    """Cache policy at weight updates (seed 003): flush | keep | salt | keep+salt; an update may
+    name its own, which then stays in force."""
+    weight_update_mode: Literal["rolling", "all"] = "rolling"
+    """POST /admin/weights updates replicas one at a time (the rest keep serving) or all at once."""
+    weight_update_pause_mode: Literal["keep", "wait", "abort"] = "wait"
+    """How a replica pauses for an update: wait for in-flight requests, keep them frozen (they
+    finish under the new weights, and say so), or abort them."""
+    flush_preempt_running: bool = True
+    """Under 'flush', let the prefix-cache reset preempt requests kept across the update (they
+    re-prefill under the new weights); False: such a reset is refused and the replica fails."""
+    initial_weight_version: int | None = 0
+    """Weight version the replicas serve at start; None: unknown (no salt until an update)."""
+    initial_weights_path: str | None = None
+    """Checkpoint folder the replicas serve at start, reloaded if an update's load fails;
+    default: the replicas' model when it is a local folder."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -56,6 +77,19 @@ class RouterConfig:
             raise ValueError("router.state is 'redis' but router.redis_url is not set")
         if self.state not in ("memory", "redis"):
             raise ValueError(f"router.state must be 'memory' or 'redis', got {self.state!r}")
+        if self.admission_default_max_tokens < 1:
+            raise ValueError("router.admission_default_max_tokens must be >= 1")
+        _one_of(self, "weight_update_policy", ("flush", "keep", "salt", "keep+salt"))
+        _one_of(self, "weight_update_mode", ("rolling", "all"))
+        _one_of(self, "weight_update_pause_mode", ("keep", "wait", "abort"))
+        if self.initial_weight_version is not None and self.initial_weight_version < 0:
+            raise ValueError("router.initial_weight_version must be >= 0 or None")
+
+
+def _one_of(cfg: RouterConfig, name: str, choices: tuple[str, ...]) -> None:
+    value = getattr(cfg, name)
+    if value not in choices:
+        raise ValueError(f"router.{name} must be one of {', '.join(choices)}; got {value!r}")
 
 
 def from_mapping(cls: type, data: dict[str, Any] | None, section: str):

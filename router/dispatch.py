@@ -19,15 +19,18 @@ from typing import Any, Awaitable, Callable
 import aiohttp
 from aiohttp import web
 
+from cache_policy.admission import blocks_needed
 from cache_policy.hashing import block_hashes
 from cache_policy.policy import Policy
 from cache_policy.types import Decision, ReplicaId, RequestView
+from router.admission import AdmissionController, ReplicaGone, Ticket
 from router.config import RouterConfig
 from router.errors import NoReplica, UpstreamError
 from router.metrics import RouterMetrics
 from router.parse import ParsedRequest, RoutingKeys
 from router.pool import ReplicaPool
 from router.proxy import ReplicaUnreachable, post_json, relay_stream
+from router.versions import SaltChoice, WeightVersions
 
 log = logging.getLogger(__name__)
 
@@ -42,25 +45,37 @@ class Placement:
     base_url: str
     expected_cached_tokens: int
     cache_salt: str | None
+    weight_version: int | None = None
+    """Version the replica served when the request was dispatched."""
+    version_mark: int = 0
+    """Position in the replica's version log at dispatch (see ``WeightVersions.mark``)."""
 
     @property
     def replica_id(self) -> ReplicaId:
         return self.decision.replica_id
 
     def headers(self) -> dict[str, str]:
-        return {
+        headers = {
             "X-Rollout-Replica": self.replica_id,
             "X-Rollout-Expected-Cached-Tokens": str(self.expected_cached_tokens),
             "X-Rollout-Route-Reason": self.decision.reason.value,
         }
+        if self.weight_version is not None:
+            headers["X-Rollout-Weight-Version"] = str(self.weight_version)
+        return headers
 
-    def annotation(self, weight_version: int | None) -> dict[str, Any]:
+    def annotation(self, requested: int | None, versions: list[int] | None = None) -> dict[str, Any]:
+        """``weight_version``: the version the tokens were produced under (the last one when
+        ``weight_versions``, every version loaded while the request ran, holds more than one)."""
+        versions = versions or ([] if self.weight_version is None else [self.weight_version])
         return {
             "replica": self.replica_id,
             "expected_cached_tokens": self.expected_cached_tokens,
             "route_reason": self.decision.reason.value,
             "cache_salt": self.cache_salt,
-            "weight_version": weight_version,
+            "weight_version": versions[-1] if versions else requested,
+            "weight_versions": versions,
+            "requested_weight_version": requested,
         }
 
 
@@ -68,12 +83,21 @@ class Dispatcher:
     """Routes and forwards requests for one router app. Event-loop only, not thread-safe."""
 
     def __init__(self, cfg: RouterConfig, pool: ReplicaPool, policy: Policy, metrics: RouterMetrics,
-                 http: aiohttp.ClientSession):
+                 http: aiohttp.ClientSession, *, admission: AdmissionController | None = None,
+                 versions: WeightVersions | None = None):
         self.cfg = cfg
         self.pool = pool
         self.policy = policy
         self.metrics = metrics
         self.http = http
+        self.admission = admission
+        self.versions = versions
+
+    def salt_for(self, keys: RoutingKeys) -> SaltChoice:
+        """The cache salt (and weight version) a request with ``keys`` runs under."""
+        if self.versions is None:
+            return SaltChoice(None, keys.weight_version, None)
+        return self.versions.assign(keys, time.monotonic())
 
     def request_view(self, token_ids: list[int], keys: RoutingKeys, cache_salt: str | None,
                      kind: str = "generate") -> RequestView:
@@ -81,8 +105,15 @@ class Dispatcher:
         return RequestView(tuple(hashes), len(token_ids), keys.session_id, keys.group_id, kind,
                            keys.weight_version)
 
-    def place(self, view: RequestView, cache_salt: str | None, exclude: list[ReplicaId]) -> Placement:
-        """Ask the policy; record the decision. Raises NoReplica when none is eligible."""
+    def place(self, view: RequestView, cache_salt: str | None, exclude: list[ReplicaId],
+              choice: SaltChoice | None = None) -> Placement:
+        """Ask the policy; record the decision. Raises NoReplica when none is eligible.
+
+        Replicas out of rotation are skipped, and so are, for a salted ``choice``, replicas
+        that do not serve its version (while one does).
+        """
+        if self.versions is not None:
+            exclude = list(exclude) + self.versions.excluded(choice or SaltChoice(cache_salt, None, None))
         decision = self.policy.select(view, self.pool.views(exclude=exclude))
         if decision is None:
             raise NoReplica("no healthy replica can take the request; retry later",
@@ -91,15 +122,57 @@ class Dispatcher:
         self.metrics.decisions.labels(self.policy.name, decision.reason.value).inc()
         state = self.pool.get(decision.replica_id)
         expected = decision.matched_blocks * state.endpoint.block_size
-        return Placement(decision, state.endpoint.base_url, expected, cache_salt)
+        mark = self.versions.mark(decision.replica_id) if self.versions is not None else 0
+        return Placement(decision, state.endpoint.base_url, expected, cache_salt, state.weight_version, mark)
+
+    async def place_when_available(self, view: RequestView, cache_salt: str | None, exclude: list[ReplicaId],
+                                   choice: SaltChoice | None = None) -> Placement:
+        """``place``, waiting (up to ``queue_timeout_s``) while a weight update holds replicas."""
+        deadline = time.monotonic() + (self.admission.cfg.queue_timeout_s if self.admission else 30.0)
+        while True:
+            try:
+                return self.place(view, cache_salt, exclude, choice)
+            except NoReplica:
+                left = deadline - time.monotonic()
+                if self.versions is None or not self.versions.updating() or left <= 0:
+                    raise
+                await self.versions.wait_rotation(left)
+
+    async def admit(self, placement: Placement, view: RequestView, new_tokens: int) -> Ticket | None:
+        """Room on the placed replica for ``view``'s prompt plus ``new_tokens`` (see router.admission)."""
+        if self.admission is None:
+            return None
+        rid, matched = placement.replica_id, placement.decision.matched_blocks
+        total = blocks_needed(view.num_prompt_tokens + new_tokens, 0, self.pool.get(rid).endpoint.block_size)
+        return await self.admission.acquire(rid, total, matched, view.session_id, view.group_id)
+
+    def release(self, ticket: Ticket | None) -> None:
+        if ticket is not None and self.admission is not None:
+            self.admission.release(ticket)
+
+    def weight_versions(self, placement: Placement) -> list[int] | None:
+        """Versions the placed replica served from dispatch until now."""
+        if self.versions is None:
+            return None
+        return self.versions.versions_since(placement.replica_id, placement.version_mark)
 
     async def run(self, view: RequestView, cache_salt: str | None,
-                  attempt: Callable[[Placement], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
-        """Place and run ``attempt``, moving to another replica while it is unreachable."""
+                  attempt: Callable[[Placement], Awaitable[web.StreamResponse]], *,
+                  choice: SaltChoice | None = None, new_tokens: int = 0) -> web.StreamResponse:
+        """Place, admit and run ``attempt``, moving to another replica while it is unreachable."""
         tried: list[ReplicaId] = []
         while True:
-            placement = self.place(view, cache_salt, tried)
+            placement = await self.place_when_available(view, cache_salt, tried, choice)
             rid = placement.replica_id
+            try:
+                ticket = await self.admit(placement, view, new_tokens)
+            except ReplicaGone:
+                self.policy.on_finished(view, rid)
+                tried.append(rid)
+                continue
+            except BaseException:
+                self.policy.on_finished(view, rid)
+                raise
             self.pool.acquire(rid)
             self.metrics.in_flight.labels(rid).inc()
             try:
@@ -114,12 +187,14 @@ class Dispatcher:
             finally:
                 self.pool.release(rid)
                 self.metrics.in_flight.labels(rid).dec()
+                self.release(ticket)
                 self.policy.on_finished(view, rid)
 
     async def forward(self, client: web.Request, parsed: ParsedRequest, token_ids: list[int],
                       cache_salt: str | None = None) -> web.StreamResponse:
         """Route and proxy a completion or chat request; the response names the replica."""
-        view = self.request_view(token_ids, parsed.keys, cache_salt)
+        choice = self.salt_for(parsed.keys) if cache_salt is None else SaltChoice(cache_salt, None, None)
+        view = self.request_view(token_ids, parsed.keys, choice.salt)
         started = time.perf_counter()
 
         async def attempt(placement: Placement) -> web.StreamResponse:
@@ -132,11 +207,18 @@ class Dispatcher:
             return self._json_response(result, placement, parsed.keys.weight_version)
 
         try:
-            resp = await self.run(view, cache_salt, attempt)
+            resp = await self.run(view, choice.salt, attempt, choice=choice,
+                                  new_tokens=self._new_tokens(parsed.body))
         finally:
             self.metrics.latency.labels(parsed.endpoint).observe(time.perf_counter() - started)
         self.metrics.requests.labels(parsed.endpoint, str(resp.status)).inc()
         return resp
+
+    def _new_tokens(self, body: dict[str, Any]) -> int:
+        """Tokens the request may generate (all its samples), for admission."""
+        limit = body.get("max_tokens") or body.get("max_completion_tokens") or self.cfg.admission_default_max_tokens
+        n = body.get("n") or 1
+        return int(limit) * int(n) if isinstance(limit, int) and isinstance(n, int) else 0
 
     def _upstream_body(self, parsed: ParsedRequest, token_ids: list[int], placement: Placement) -> dict[str, Any]:
         body = dict(parsed.body)
@@ -155,7 +237,7 @@ class Dispatcher:
     def _json_response(self, result, placement: Placement, weight_version: int | None) -> web.Response:
         payload = result.payload
         if result.status == 200 and isinstance(payload, dict):
-            payload["rollout_router"] = placement.annotation(weight_version)
+            payload["rollout_router"] = placement.annotation(weight_version, self.weight_versions(placement))
             cached = ((payload.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
             if isinstance(cached, int):
                 self.metrics.reported_cached.labels(placement.replica_id).inc(cached)

@@ -32,13 +32,16 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    """GET /health: 200 while at least one replica is in rotation, else 503; lists replicas."""
+    """GET /health: 200 while at least one healthy replica is in rotation, else 503; lists replicas."""
     pool = request.app[keys.POOL]
+    rotation = request.app[keys.VERSIONS].rotation
     replicas = [{
         "replica": s.endpoint.replica_id, "url": s.endpoint.base_url, "healthy": s.healthy,
         "in_flight": s.in_flight, "kv_cache_usage": s.metrics.kv_cache_usage,
         "scoring_cap": s.endpoint.scoring_cap, "weight_version": s.weight_version,
+        "in_rotation": s.endpoint.replica_id not in rotation,
+        "out_of_rotation_reason": rotation.get(s.endpoint.replica_id),
     } for s in pool.states()]
-    ok = any(r["healthy"] for r in replicas)
+    ok = any(r["healthy"] and r["in_rotation"] for r in replicas)
     return web.json_response({"status": "ok" if ok else "unavailable", "replicas": replicas},
                              status=200 if ok else 503)

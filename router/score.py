@@ -33,6 +33,7 @@ from aiohttp import web
 
 from cache_policy.scoring import ScoringCap, scoring_cap
 from router import keys
+from router.admission import ReplicaGone
 from router.dispatch import Placement
 from router.errors import BadRequest, UpstreamError
 from router.parse import RoutingKeys, _is_token_ids, _routing_keys, _validate_messages, load_json_object
@@ -150,25 +151,32 @@ async def score(request: web.Request) -> web.Response:
         context = req.context if isinstance(req.context, list) else await tokenizer.acompletion_ids(req.context)
     caps = [scoring_cap(len(context), len(context) + len(r)) for r in req.responses]
     dispatcher = request.app[keys.DISPATCHER]
-    view = dispatcher.request_view(context, req.keys, None, kind="score")
+    choice = dispatcher.salt_for(req.keys)
+    view = dispatcher.request_view(context, req.keys, choice.salt, kind="score")
+    new_tokens = sum(len(r) + 1 for r in req.responses)
     tried: list[str] = []
     while True:
-        placement = dispatcher.place(view, None, tried)
+        placement = await dispatcher.place_when_available(view, choice.salt, tried, choice)
         use_cap = dispatcher.pool.get(placement.replica_id).endpoint.scoring_cap
+        ticket = None
         try:
+            ticket = await dispatcher.admit(placement, view, new_tokens)
             results = await _gather_or_cancel((_score_one(dispatcher, placement, req, context, cap, r, use_cap)
                                              for cap, r in zip(caps, req.responses)))
             break
-        except (UpstreamError, ReplicaUnreachable) as exc:
+        except (UpstreamError, ReplicaUnreachable, ReplicaGone) as exc:
             tried.append(placement.replica_id)
             if len(tried) > 1:
                 raise UpstreamError(f"scoring failed on {', '.join(tried)}: {exc}") from exc
             dispatcher.metrics.retries.labels("score_failed").inc()
         finally:
+            dispatcher.release(ticket)
             dispatcher.policy.on_finished(view, placement.replica_id)
     dispatcher.metrics.requests.labels("score", "200").inc()
     return web.json_response({
         "replica": placement.replica_id, "context_tokens": len(context), "score_start": caps[0].start,
-        "scoring_cap": use_cap, "weight_version": req.keys.weight_version,
+        "scoring_cap": use_cap,
+        **{k: v for k, v in placement.annotation(req.keys.weight_version, dispatcher.weight_versions(placement)).items()
+           if k in ("cache_salt", "weight_version", "weight_versions", "requested_weight_version")},
         "results": [{"index": k, **r} for k, r in enumerate(results)],
     }, headers=placement.headers())

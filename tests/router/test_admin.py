@@ -1,0 +1,50 @@
+"""``POST /admin/weights`` body validation and defaults (no vLLM)."""
+
+from __future__ import annotations
+
+import pytest
+
+from cache_policy.types import ReplicaId
+from router.admin import parse_update
+from router.config import AppConfig
+from router.errors import BadRequest
+
+IDS = [ReplicaId("replica-0"), ReplicaId("replica-1")]
+
+
+def test_defaults_come_from_the_router_config():
+    cfg = AppConfig().replace(router={"weight_update_policy": "salt", "weight_update_mode": "all",
+                                      "weight_update_pause_mode": "keep", "flush_preempt_running": False})
+    req = parse_update({"version": 3, "weights_path": "/ckpt/3"}, cfg, IDS, current=2)
+    assert (req.version, req.weights_path, req.policy, req.mode, req.pause_mode, req.preempt_running,
+            req.replicas) == (3, "/ckpt/3", "salt", "all", "keep", False, None)
+
+
+def test_per_update_overrides_and_a_replica_subset():
+    body = {"version": 2, "weights_path": "/ckpt/2", "policy": "flush", "mode": "rolling", "pause_mode": "abort",
+            "preempt_running": True, "replicas": ["replica-1", "replica-1"]}
+    req = parse_update(body, AppConfig(), IDS, current=2)  # the same version again: a retry
+    assert (req.policy, req.mode, req.pause_mode, req.preempt_running, req.replicas) == \
+        ("flush", "rolling", "abort", True, ("replica-1",))
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"version": True, "weights_path": "/c"}, "version"),
+    ({"version": 1, "weights_path": "/c"}, "version"),  # older than the current version 2
+    ({"version": 3, "weights_path": ""}, "weights_path"),
+    ({"version": 3, "weights_path": "/c", "preempt_running": "yes"}, "preempt_running"),
+    ({"version": 3, "weights_path": "/c", "replicas": []}, "replicas"),
+])
+def test_bad_fields_are_named(body, param):
+    with pytest.raises(BadRequest) as err:
+        parse_update(body, AppConfig(), IDS, current=2)
+    assert err.value.param == param
+
+
+def test_router_config_checks_the_new_knobs():
+    with pytest.raises(ValueError, match="weight_update_policy"):
+        AppConfig().replace(router={"weight_update_policy": "salted"})
+    with pytest.raises(ValueError, match="weight_update_mode"):
+        AppConfig().replace(router={"weight_update_mode": "canary"})
+    with pytest.raises(ValueError, match="admission_default_max_tokens"):
+        AppConfig().replace(router={"admission_default_max_tokens": 0})

