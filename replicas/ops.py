@@ -1,0 +1,48 @@
+"""Small async helpers over one replica's HTTP API.
+
+Each takes the caller's ``aiohttp.ClientSession`` (one persistent session per owner, never one
+per call) and the replica's base URL (``http://host:port``, no trailing slash).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+
+from replicas.metrics import VllmMetrics, parse_vllm_metrics
+
+
+async def fetch_metrics_text(session: aiohttp.ClientSession, base_url: str) -> str:
+    """The raw Prometheus text of ``GET /metrics``; raises ``aiohttp.ClientError`` on failure."""
+    async with session.get(f"{base_url}/metrics") as resp:
+        resp.raise_for_status()
+        return await resp.text()
+
+
+async def fetch_metrics(session: aiohttp.ClientSession, base_url: str) -> VllmMetrics:
+    """``GET /metrics`` parsed into a :class:`VllmMetrics` snapshot."""
+    return parse_vllm_metrics(await fetch_metrics_text(session, base_url))
+
+
+async def reset_prefix_cache(
+    session: aiohttp.ClientSession, base_url: str, *, reset_running_requests: bool = False
+) -> bool:
+    """``POST /reset_prefix_cache`` (needs ``VLLM_SERVER_DEV_MODE=1``).
+
+    vLLM answers 200 ``{"success": bool}``: ``false`` while blocks are still held (running
+    requests); retry later, or pass ``reset_running_requests=True`` to preempt them first.
+    """
+    params = {"reset_running_requests": "true"} if reset_running_requests else None
+    async with session.post(f"{base_url}/reset_prefix_cache", params=params) as resp:
+        resp.raise_for_status()
+        return bool((await resp.json()).get("success", False))
+
+
+async def is_healthy(session: aiohttp.ClientSession, base_url: str) -> bool:
+    """True iff ``GET /health`` answers 200; connection errors and timeouts read as False."""
+    try:
+        async with session.get(f"{base_url}/health") as resp:
+            return resp.status == 200
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        return False

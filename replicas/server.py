@@ -1,0 +1,93 @@
+"""One replica's vLLM OpenAI server: its command line and environment (pure helpers).
+
+The actor (``replicas.actor``) runs what these build; nothing here starts a process.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+
+from replicas.config import TINY_MODEL, ReplicaSetConfig
+
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+
+
+def resolve_model(cfg: ReplicaSetConfig) -> str:
+    """The model path to serve: the generated tiny Llama for ``"tiny"``, else ``cfg.model``."""
+    if cfg.model != TINY_MODEL:
+        return cfg.model
+    from replicas.tiny_model import ensure_tiny_model
+
+    return str(ensure_tiny_model())
+
+
+def build_command(cfg: ReplicaSetConfig, model_path: str, port: int) -> list[str]:
+    """argv for one replica's OpenAI server on ``cfg.host:port``."""
+    cmd = [
+        sys.executable, "-m", SERVER_MODULE,
+        "--model", model_path,
+        "--served-model-name", cfg.served_model_name,
+        "--host", cfg.host,
+        "--port", str(port),
+        "--dtype", cfg.dtype,
+        "--max-model-len", str(cfg.max_model_len),
+        "--block-size", str(cfg.block_size),
+        "--enable-prefix-caching",
+        "--enable-prompt-tokens-details",
+        "--no-enable-log-requests",  # 0.32 removed --disable-log-requests; off is the default
+    ]
+    if cfg.engine == "gpu":
+        cmd += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
+    if cfg.enforce_eager:
+        cmd.append("--enforce-eager")
+    if cfg.max_num_batched_tokens is not None:
+        cmd += ["--max-num-batched-tokens", str(cfg.max_num_batched_tokens)]
+    if cfg.max_num_seqs is not None:
+        cmd += ["--max-num-seqs", str(cfg.max_num_seqs)]
+    return cmd + list(cfg.extra_args)
+
+
+def build_env(cfg: ReplicaSetConfig, index: int, base: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment for replica ``index``: ``base`` (default ``os.environ``) plus our knobs."""
+    env = dict(os.environ if base is None else base)
+    env["VLLM_SERVER_DEV_MODE"] = "1"  # /reset_prefix_cache, /collective_rpc, /pause, /resume
+    env["PYTHONUNBUFFERED"] = "1"
+    if cfg.engine == "cpu":
+        env["VLLM_CPU_KVCACHE_SPACE"] = _gib_str(cfg.kv_cache_space_gib)
+        env["VLLM_CPU_OMP_THREADS_BIND"] = omp_threads_bind(cfg, index)
+    if not cfg.enable_plugin:
+        env["VLLM_PLUGINS"] = ""
+    env.update(cfg.extra_env)
+    return env
+
+
+def omp_threads_bind(cfg: ReplicaSetConfig, index: int, ncpu: int | None = None) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for replica ``index``.
+
+    ``"auto"``: core ``index % ncpu``. Otherwise the value is split on ``|``, one part per
+    replica (``"0|1"`` -> ``"0"``, ``"1"``; a single part is shared by all replicas).
+    """
+    if cfg.omp_threads_bind == "auto":
+        return str(index % (ncpu or os.cpu_count() or 1))
+    parts = cfg.omp_threads_bind.split("|")
+    if len(parts) == 1:
+        return parts[0]
+    if index >= len(parts):
+        raise ValueError(
+            f"ReplicaSetConfig.omp_threads_bind {cfg.omp_threads_bind!r} has {len(parts)} parts "
+            f"but replica {index} needs one; give one part per replica or use 'auto'"
+        )
+    return parts[index]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on ``host`` right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _gib_str(gib: float) -> str:
+    return str(int(gib)) if float(gib).is_integer() else str(gib)

@@ -1,0 +1,93 @@
+"""ReplicaSet without vLLM: wrapping existing servers (a stand-in), replica ids, sharing Ray."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+import pytest_asyncio
+
+from replicas import replica_set as rs_mod
+from replicas.config import ReplicaSetConfig
+from replicas.replica_set import ReplicaEndpoint, ReplicaSet, replica_id
+from replicas.server import free_port
+from tests.replicas.fake_server import FAKE_SERVER
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def fake_url():
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-c", FAKE_SERVER, "--port", str(port)], stdout=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(100):
+        try:
+            urllib.request.urlopen(url + "/health", timeout=1)
+            break
+        except OSError:
+            time.sleep(0.05)
+    yield url
+    proc.kill()
+    proc.wait()
+
+
+async def test_urls_are_wrapped_without_launching(fake_url):
+    async with ReplicaSet(ReplicaSetConfig(urls=(fake_url + "/",), served_model_name="m")) as rs:
+        assert rs.endpoints == [ReplicaEndpoint(replica_id(0), fake_url, 32, 16384, "m", False)]
+        assert rs.endpoint("replica-0").base_url == fake_url
+        with pytest.raises(ValueError, match="urls"):
+            await rs.restart("replica-0")
+    assert rs.endpoints == []
+
+
+async def test_an_unreachable_url_fails_start_by_name():
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(RuntimeError, match=r"urls\[0\] .* does not answer"):
+        await ReplicaSet(ReplicaSetConfig(urls=(url,))).start()
+
+
+def test_replica_ids():
+    assert replica_id(3) == "replica-3" and rs_mod._index("replica-12") == 12
+    with pytest.raises(KeyError):
+        rs_mod._index("r-1")
+
+
+async def test_ray_is_shared_and_shut_down_by_the_last_user(monkeypatch):
+    calls: list[str] = []
+    state = {"up": False}
+    fake_ray = type(sys)("ray")
+    fake_ray.is_initialized = lambda: state["up"]
+    fake_ray.init = lambda **kw: (calls.append("init"), state.update(up=True))
+    fake_ray.shutdown = lambda: (calls.append("shutdown"), state.update(up=False))
+    monkeypatch.setitem(sys.modules, "ray", fake_ray)
+    users = rs_mod._RayUsers()
+    await users.acquire(None)
+    await users.acquire(None)
+    await users.release()
+    assert calls == ["init"] and state["up"]
+    await users.release()
+    assert calls == ["init", "shutdown"] and not state["up"]
+    state["up"] = True  # someone else's Ray: used, never shut down
+    await users.acquire(None)
+    await users.release()
+    assert calls == ["init", "shutdown"]
+
+
+async def test_a_failed_ray_start_is_retried_then_reported(monkeypatch):
+    calls: list[str] = []
+    fake_ray = type(sys)("ray")
+    fake_ray.is_initialized = lambda: False
+    fake_ray.shutdown = lambda: calls.append("shutdown")
+
+    def init(**kw):
+        calls.append("init")
+        raise Exception("The current node timed out during startup.")
+
+    fake_ray.init = init
+    monkeypatch.setitem(sys.modules, "ray", fake_ray)
+    users = rs_mod._RayUsers()
+    with pytest.raises(RuntimeError, match="failed 3 times: The current node timed out"):
+        await users.acquire(None)
+    assert calls == ["init", "shutdown"] * 3 and users.users == 0
