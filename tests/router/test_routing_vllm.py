@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
@@ -108,13 +109,18 @@ async def test_streaming_client_disconnect_aborts_upstream(router, replica_set):
 
 
 async def test_streaming_relays_all_events(router):
-    body = {"prompt": unique_prompt(4, 50), "max_tokens": 5, "ignore_eos": True, "stream": True}
+    body = {"prompt": unique_prompt(4, 50), "max_tokens": 5, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
     async with router.http.post(router.url + "/v1/completions", json=body) as r:
         assert r.status == 200 and r.content_type == "text/event-stream"
+        assert r.headers["X-Rollout-Replica"].startswith("replica-")
         text = (await r.read()).decode()
-    events = [line for line in text.splitlines() if line.startswith("data: ")]
-    assert events[-1] == "data: [DONE]"
-    assert len(events) == 6  # five tokens, then [DONE]
+    events = [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    # vLLM may pack several tokens into one event; the usage chunk counts them all
+    assert chunks[-1]["usage"]["completion_tokens"] == 5
+    assert chunks[-1]["usage"]["prompt_tokens"] == 50
 
 
 async def test_keyless_requests_spread_over_both_replicas(router, replica_set):
