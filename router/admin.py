@@ -222,7 +222,7 @@ def _initial_weights_path(cfg: AppConfig) -> str | None:
     """``router.initial_weights_path``, else the replicas' model when it is a local folder."""
     if cfg.router.initial_weights_path:
         return cfg.router.initial_weights_path
-    from router.server import model_path
+    from replicas.server import resolve_model
 
-    path = model_path(cfg.replicas)
+    path = resolve_model(cfg.replicas)
     return path if Path(path).is_dir() else None

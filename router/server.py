@@ -12,8 +12,8 @@ from typing import AsyncIterator, Sequence
 
 from aiohttp import web
 
-from replicas.config import ReplicaSetConfig
 from replicas.replica_set import ReplicaEndpoint
+from replicas.server import resolve_model
 from router.app import create_app
 from router.config import AppConfig
 from router.tokenize import PromptTokenizer
@@ -23,16 +23,7 @@ def tokenizer_path(cfg: AppConfig) -> str:
     """The router's tokenizer: ``router.tokenizer`` or the replicas' model (generated if 'tiny')."""
     if cfg.router.tokenizer:
         return cfg.router.tokenizer
-    return model_path(cfg.replicas)
-
-
-def model_path(cfg: ReplicaSetConfig) -> str:
-    """Resolve ``replicas.model``: 'tiny' is the generated default model."""
-    if cfg.model == "tiny":
-        from replicas.tiny_model import ensure_tiny_model
-
-        return str(ensure_tiny_model())
-    return cfg.model
+    return resolve_model(cfg.replicas)
 
 
 @contextlib.asynccontextmanager
@@ -52,4 +43,4 @@ async def running_router(cfg: AppConfig, endpoints: Sequence[ReplicaEndpoint],
         await runner.cleanup()
 
 
-__all__ = ["running_router", "tokenizer_path", "model_path"]
+__all__ = ["running_router", "tokenizer_path"]
