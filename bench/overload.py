@@ -1,14 +1,17 @@
 """Overload: many concurrent long sessions on replicas with a small KV cache, admission on vs off.
 
-For each router (admission on, then off) the replicas' prefix caches are reset, a fresh router
-is started on the same replicas, every session runs its turns (a 429 is retried after its
-Retry-After), and the replicas' own counters are diffed: prompt tokens, prefix-cache hits,
-preemptions (``vllm:num_preemptions_total``). The client side adds the latency of continuing
+For each router (admission on at each watermark, then off) the replicas' prefix caches are
+reset, a fresh router is started on the same replicas, every session runs its turns (a 429 is
+retried after its Retry-After), and the replicas' own counters are diffed: prompt tokens,
+prefix-cache hits, preemptions (``vllm:num_preemptions_total``). The client side adds the latency of continuing
 turns (first attempt to answer, retries included), re-prefills (continuing turns that found
 less than the previous turn's prompt cached) and 429s; a sampler records peak KV usage.
 
     .venv/bin/python -m bench.overload                   # starts 1 small-KV replica
-    .venv/bin/python -m bench.overload --urls http://127.0.0.1:8100
+    .venv/bin/python -m bench.overload --urls http://127.0.0.1:8100 --watermarks 0.85
+
+The watermark is the headroom left for live sessions to grow: sessions admitted while their
+first turns fit keep their prefixes only if their later turns fit too.
 """
 
 from __future__ import annotations
@@ -20,9 +23,9 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 import aiohttp
 
@@ -145,7 +148,7 @@ async def _sample_peak(http: aiohttp.ClientSession, endpoints: Sequence[ReplicaE
 async def run_one(cfg: AppConfig, endpoints: Sequence[ReplicaEndpoint], tokenizer: PromptTokenizer,
                   w: OverloadWorkload, admission: bool) -> OverloadResult:
     """Reset the caches, run ``w`` through a fresh router with admission on or off, diff counters."""
-    name = "admission on" if admission else "admission off"
+    name = f"on @{cfg.policy.high_watermark:g}" if admission else "admission off"
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as http:
         for ok in await asyncio.gather(*(reset_prefix_cache(http, ep.base_url) for ep in endpoints)):
             if not ok:
@@ -186,13 +189,15 @@ def _quantile(sorted_values: list[float], q: float) -> float:
 
 
 async def compare(cfg: AppConfig, endpoints: Sequence[ReplicaEndpoint], w: OverloadWorkload,
-                  tokenizer: PromptTokenizer | None = None) -> list[OverloadResult]:
-    """Admission on, then off, on the same replicas."""
+                  tokenizer: PromptTokenizer | None = None, watermarks: Sequence[float] = ()) -> list[OverloadResult]:
+    """Admission on (at ``cfg``'s watermark, or at each of ``watermarks``), then off, on the same replicas."""
     tokenizer = tokenizer or PromptTokenizer(tokenizer_path(cfg))
-    return [await run_one(cfg, endpoints, tokenizer, w, admission) for admission in (True, False)]
+    configs = [cfg.replace(policy={"high_watermark": m}) for m in watermarks] or [cfg]
+    results = [await run_one(c, endpoints, tokenizer, w, True) for c in configs]
+    return results + [await run_one(cfg, endpoints, tokenizer, w, False)]
 
 
-def render(results: list[OverloadResult], watermark: float) -> str:
+def render(results: list[OverloadResult]) -> str:
     """Side-by-side table, one column per router."""
     rows = [("prompt tokens", "prompt_tokens"), ("prefilled tokens", "prefilled_tokens"),
             ("prefix-cache hit rate", "hit_rate"), ("preemptions", "preemptions"),
@@ -200,7 +205,7 @@ def render(results: list[OverloadResult], watermark: float) -> str:
             ("continuing turn p50 s", "continuing_p50_s"), ("continuing turn p99 s", "continuing_p99_s"),
             ("peak KV usage", "peak_kv_usage"), ("turns", "turns"), ("wall s", "wall_s")]
     width = max(len(label) for label, _ in rows) + 2
-    lines = [f"Overload: admission on vs off (watermark {watermark:g}); replica counters from /metrics",
+    lines = ["Overload: admission on (@ watermark) vs off; replica counters from /metrics",
              "".ljust(width) + "".join(r.router.rjust(16) for r in results)]
     for label, attr in rows:
         lines.append(label.ljust(width) + "".join(str(getattr(r, attr)).rjust(16) for r in results))
@@ -214,13 +219,12 @@ SMALL_KV = ReplicaSetConfig(num_replicas=1, max_model_len=2048, extra_args=("--n
 async def main_async(args: argparse.Namespace) -> list[OverloadResult]:
     w = OverloadWorkload(**dataclass_overrides(args, OverloadWorkload))
     replicas = SMALL_KV if not args.urls else ReplicaSetConfig(urls=tuple(args.urls))
-    policy = {"high_watermark": args.watermark, "session_idle_s": args.session_idle_s,
-              "queue_timeout_s": args.queue_timeout_s}
+    policy = {"session_idle_s": args.session_idle_s, "queue_timeout_s": args.queue_timeout_s}
     cfg = AppConfig().replace(policy=policy, router={"scrape_interval_s": 0.2})
     cfg = AppConfig(router=cfg.router, replicas=replicas, policy=cfg.policy)
     async with ReplicaSet(replicas) as rs:
-        results = await compare(cfg, rs.endpoints, w)
-    print(render(results, args.watermark))
+        results = await compare(cfg, rs.endpoints, w, watermarks=args.watermarks)
+    print(render(results))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({"workload": asdict(w), "results": [asdict(r) for r in results]},
@@ -232,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench.overload", description=__doc__.splitlines()[0])
     add_dataclass_flags(parser, OverloadWorkload)
     parser.add_argument("--urls", nargs="*", default=None, help="existing vLLM servers (default: start one)")
-    parser.add_argument("--watermark", type=float, default=0.85, help="policy.high_watermark")
+    parser.add_argument("--watermarks", type=float, nargs="+", default=[0.85, 0.6],
+                        help="policy.high_watermark of each admission-on run")
     parser.add_argument("--session-idle-s", type=float, default=2.0, help="policy.session_idle_s")
     parser.add_argument("--queue-timeout-s", type=float, default=10.0, help="policy.queue_timeout_s")
     parser.add_argument("--out", default="results/overload.json")

@@ -21,11 +21,16 @@ from __future__ import annotations
 import asyncio
 import bisect
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 from cache_policy.config import PolicyConfig
-from cache_policy.salts import WEIGHT_UPDATE_POLICIES, WeightUpdatePolicy, cache_salt_for_version, choose_salt
+from cache_policy.salts import (
+    WEIGHT_UPDATE_POLICIES,
+    WeightUpdatePolicy,
+    cache_salt_for_version,
+    choose_salt,
+)
 from cache_policy.types import ReplicaId
 from router.parse import RoutingKeys
 from router.pool import ReplicaPool

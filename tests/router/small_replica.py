@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from replicas.config import ReplicaSetConfig
 from replicas.replica_set import ReplicaSet

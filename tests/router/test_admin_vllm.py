@@ -79,7 +79,7 @@ async def test_bad_body_is_400_naming_the_field(http, small, body, param):
 async def test_a_replica_that_fails_to_update_leaves_rotation_and_is_reported(http, small):
     dead = ReplicaEndpoint(ReplicaId("replica-1"), f"http://127.0.0.1:{free_port()}", 32, 128, "tiny-llama")
     endpoints = [small.endpoints[0], dead]
-    async with running_router(config(weight_update_policy="salt"), endpoints) as (url, app):
+    async with running_router(config(weight_update_policy="salt"), endpoints) as (url, _):
         body = {"version": 1, "weights_path": SEED0}
         async with http.post(url + "/admin/weights", json=body, headers={"Authorization": f"Bearer {TOKEN}"}) as r:
             report = await r.json()

@@ -32,7 +32,7 @@ async def test_overload_admission_keeps_prefixes_and_avoids_preemption(small):
                               policy={"high_watermark": watermark, "session_idle_s": 1.0, "queue_timeout_s": 20.0})
     workload = OverloadWorkload(num_sessions=10, turns=3)
     on, off = await compare(cfg, small.endpoints, workload)
-    print("\n" + render([on, off], watermark))
+    print("\n" + render([on, off]))
     continuing = workload.num_sessions * (workload.turns - 1)
     assert on.turns == off.turns == workload.num_sessions * workload.turns
     # admission on: usage held near the watermark, no preemption, continuing turns keep their prefix

@@ -162,7 +162,7 @@ async def test_steps_without_a_weight_change_keep_hitting(http, small):
 async def test_flush_with_a_long_request_in_flight_is_confirmed_or_reported(http, small):
     base = small.endpoints[0].base_url
     repeated = prompt(5, 200)
-    async with router_for(small, "flush") as (url, app):
+    async with router_for(small, "flush") as (url, _):
         await complete(http, url, repeated)
         assert cached(await complete(http, url, repeated)) == 192
         long = asyncio.ensure_future(complete(http, url, prompt(6, 100), max_tokens=1200))
