@@ -21,6 +21,7 @@ from router.errors import error_middleware
 from router.metrics import RouterMetrics
 from router.pool import ReplicaPool
 from router.scrape import scrape_once
+from router.shared_state import make_state
 from router.tokenize import PromptTokenizer
 from router.versions import WeightVersions
 
@@ -55,14 +56,24 @@ async def _http_session(app: web.Application) -> AsyncIterator[None]:
     # vLLM's server closes idle keep-alive connections after 5 s: drop ours sooner, so a
     # pooled connection is never reused just as the server closes it.
     connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=3)
+    state = make_state(cfg.router.state, cfg.router.redis_url)
+    await state.register(list(endpoints_of(app)))
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as http:
         app[keys.HTTP] = http
         policy = make_policy(cfg.router.policy, cfg.policy, random.Random(cfg.router.seed))
         policy.on_replicas_changed(app[keys.POOL].ids())
         app[keys.DISPATCHER] = Dispatcher(cfg.router, app[keys.POOL], policy, app[keys.METRICS], http,
-                                          admission=app[keys.ADMISSION], versions=app[keys.VERSIONS])
+                                          admission=app[keys.ADMISSION], versions=app[keys.VERSIONS],
+                                          shared=state)
         app[keys.WEIGHT_UPDATER] = admin.WeightUpdater(cfg, app[keys.DISPATCHER])
-        yield
+        try:
+            yield
+        finally:
+            await state.close()
+
+
+def endpoints_of(app: web.Application) -> list[ReplicaEndpoint]:
+    return [s.endpoint for s in app[keys.POOL].states()]
 
 
 async def _scraper(app: web.Application) -> AsyncIterator[None]:

@@ -20,6 +20,16 @@ from router.config import AppConfig, RouterConfig
 _SIMPLE = (int, float, str)
 
 
+def _bool(text: str) -> bool:
+    """argparse type for boolean fields: true/false, yes/no, on/off, 1/0."""
+    value = text.strip().lower()
+    if value in ("true", "yes", "on", "1"):
+        return True
+    if value in ("false", "no", "off", "0"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
 def _flag_type(cls: type, f: dataclasses.Field) -> type | None:
     hint = typing.get_type_hints(cls)[f.name]
     if typing.get_origin(hint) is typing.Literal:
@@ -28,6 +38,8 @@ def _flag_type(cls: type, f: dataclasses.Field) -> type | None:
     base = typing.get_origin(args[0]) or args[0]
     if base is typing.Literal:
         return str
+    if base is bool:
+        return _bool
     return base if base in _SIMPLE else None
 
 
@@ -40,7 +52,23 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, prefix: str 
             continue
         default = f.default if f.default is not dataclasses.MISSING else None
         group.add_argument(f"--{prefix}{f.name}".replace("_", "-"), dest=f"{prefix}{f.name}".replace("-", "_"), type=kind,
-                           default=None, help=f"(default: {default})")
+                           default=None, help=f"{_doc(cls, f.name)}(default: {default})")
+
+
+def _doc(cls: type, name: str) -> str:
+    """The docstring line under a dataclass field, read from the source (empty if none)."""
+    import inspect
+
+    try:
+        lines = inspect.getsource(cls).splitlines()
+    except (OSError, TypeError):
+        return ""
+    for i, line in enumerate(lines[:-1]):
+        if line.strip().startswith(f"{name}:"):
+            nxt = lines[i + 1].strip()
+            if nxt.startswith('"""'):
+                return nxt.strip('"').strip() + " "
+    return ""
 
 
 def dataclass_overrides(args: argparse.Namespace, cls: type, prefix: str = "") -> dict[str, Any]:

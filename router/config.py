@@ -39,7 +39,7 @@ class RouterConfig:
     admin_token: str | None = None
     """Bearer token required by /admin/* endpoints; None disables them."""
     state: Literal["memory", "redis"] = "memory"
-    """Where pins and versions live: in this process, or in Redis shared by several routers."""
+    """Where session/group pins and the replica registry live: this process, or Redis shared by routers."""
     redis_url: str | None = None
     """Redis URL when state is 'redis'."""
     tokenizer: str | None = None

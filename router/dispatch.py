@@ -29,6 +29,7 @@ from router.errors import NoReplica, UpstreamError
 from router.metrics import RouterMetrics
 from router.parse import ParsedRequest, RoutingKeys
 from router.pool import ReplicaPool
+from router.shared_state import SharedState, adopt_shared_pins, publish_pins
 from router.proxy import ReplicaUnreachable, post_json, relay_stream
 from router.versions import SaltChoice, WeightVersions
 
@@ -84,7 +85,7 @@ class Dispatcher:
 
     def __init__(self, cfg: RouterConfig, pool: ReplicaPool, policy: Policy, metrics: RouterMetrics,
                  http: aiohttp.ClientSession, *, admission: AdmissionController | None = None,
-                 versions: WeightVersions | None = None):
+                 versions: WeightVersions | None = None, shared: SharedState | None = None):
         self.cfg = cfg
         self.pool = pool
         self.policy = policy
@@ -92,6 +93,7 @@ class Dispatcher:
         self.http = http
         self.admission = admission
         self.versions = versions
+        self.shared = shared
 
     def salt_for(self, keys: RoutingKeys) -> SaltChoice:
         """The cache salt (and weight version) a request with ``keys`` runs under."""
@@ -129,9 +131,14 @@ class Dispatcher:
                                    choice: SaltChoice | None = None) -> Placement:
         """``place``, waiting (up to ``queue_timeout_s``) while a weight update holds replicas."""
         deadline = time.monotonic() + (self.admission.cfg.queue_timeout_s if self.admission else 30.0)
+        if self.shared is not None:
+            await adopt_shared_pins(self.shared, self.policy, view, self.pool.ids())
         while True:
             try:
-                return self.place(view, cache_salt, exclude, choice)
+                placement = self.place(view, cache_salt, exclude, choice)
+                if self.shared is not None:
+                    await publish_pins(self.shared, view, placement.replica_id)
+                return placement
             except NoReplica:
                 left = deadline - time.monotonic()
                 if self.versions is None or not self.versions.updating() or left <= 0:

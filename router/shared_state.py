@@ -14,9 +14,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from typing import Protocol, Sequence
 
 from cache_policy.types import ReplicaId, RequestView
+
+from redis.exceptions import RedisError
+
+log = logging.getLogger(__name__)
 
 
 class SharedState(Protocol):
@@ -127,3 +132,32 @@ def make_state(kind: str, redis_url: str | None) -> SharedState:
             raise ValueError("router.state is 'redis' but router.redis_url is not set")
         return RedisState(redis_url)
     raise ValueError(f"router.state must be 'memory' or 'redis', got {kind!r}")
+
+
+async def adopt_shared_pins(state: SharedState, policy: object, view: RequestView,
+                            known: Sequence[ReplicaId]) -> None:
+    """Copy the shared pins of ``view``'s keys into ``policy``'s pin table (policies with pins).
+
+    A Redis failure is contained: it is logged and the local pins decide (less affinity, no error).
+    """
+    pins = getattr(policy, "pins", None)
+    if pins is None:
+        return
+    try:
+        shared = await state.pull_pins(view)
+    except (RedisError, OSError) as exc:
+        log.warning("shared state unavailable, routing on local pins: %r", exc)
+        return
+    for kind, replica in shared.items():
+        key = view.session_id if kind == "session" else view.group_id
+        local = pins.get(kind, key)
+        if replica in known and (local is None or local.replica != replica):
+            pins.record(kind, key, replica)
+
+
+async def publish_pins(state: SharedState, view: RequestView, replica: ReplicaId) -> None:
+    """Share where ``view``'s session/group now runs; a Redis failure is logged, not raised."""
+    try:
+        await state.push_pins(view, replica)
+    except (RedisError, OSError) as exc:
+        log.warning("shared state unavailable, pin not shared: %r", exc)

@@ -53,9 +53,35 @@ async def test_pin_expires_after_ttl(redis_url):
         await state.close()
 
 
-def test_make_state_validates():
+async def test_make_state_validates():
     assert isinstance(make_state("memory", None), MemoryState)
     with pytest.raises(ValueError, match="redis_url"):
         make_state("redis", None)
     with pytest.raises(ValueError, match="router.state"):
         make_state("disk", None)
+
+
+@pytest.mark.vllm
+async def test_two_routers_sharing_redis_keep_sessions_on_one_replica(redis_url, replica_set):
+    """Turn 1 through router A, turn 2 through router B: B follows A's pin via Redis."""
+    import aiohttp
+
+    from router.config import AppConfig
+    from router.server import running_router
+    from tests.router.conftest import unique_prompt
+
+    cfg = AppConfig().replace(router={"port": 0, "scrape_interval_s": 0, "state": "redis",
+                                      "redis_url": redis_url})
+    async with running_router(cfg, replica_set.endpoints) as (url_a, _), \
+            running_router(cfg, replica_set.endpoints) as (url_b, _), aiohttp.ClientSession() as http:
+        for s in range(6):
+            served = []
+            for url in (url_a, url_b):
+                headers = {"X-Session-Id": f"shared-{s}"}
+                body = {"prompt": unique_prompt(900 + s, 64), "max_tokens": 1}
+                async with http.post(url + "/v1/completions", json=body, headers=headers) as r:
+                    assert r.status == 200
+                    served.append(r.headers["X-Rollout-Replica"])
+                    reason = r.headers["X-Rollout-Route-Reason"]
+            assert served[0] == served[1], (s, served)
+            assert reason == "session"
