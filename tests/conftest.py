@@ -56,3 +56,18 @@ async def replica_set():
 
     async with ReplicaSet(ReplicaSetConfig()) as started:
         yield started
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--gpu", action="store_true", default=False,
+                     help="also run tests marked gpu (the V2 model runner path; needs CUDA)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """GPU tests are deselected (not skipped) unless ``--gpu``: CI on CPU runs none of them."""
+    if config.getoption("--gpu"):
+        return
+    gpu = [item for item in items if item.get_closest_marker("gpu")]
+    if gpu:
+        config.hook.pytest_deselected(items=gpu)
+        items[:] = [item for item in items if not item.get_closest_marker("gpu")]
