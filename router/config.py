@@ -15,6 +15,7 @@ from typing import Any, Literal
 import yaml
 
 from cache_policy.config import PolicyConfig
+from cache_policy.policy import POLICIES
 from replicas.config import ReplicaSetConfig
 
 
@@ -67,6 +68,8 @@ class RouterConfig:
     default: the replicas' model when it is a local folder."""
 
     def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"router.policy {self.policy!r} is unknown; valid: {', '.join(sorted(POLICIES))}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"router.port must be in [0, 65535], got {self.port}")
         if self.scrape_interval_s < 0:

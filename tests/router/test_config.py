@@ -34,3 +34,8 @@ def test_replace_overrides_one_field_and_validates():
         RouterConfig(port=70000)
     with pytest.raises(ValueError, match="redis_url"):
         RouterConfig(state="redis")
+
+
+def test_unknown_policy_is_rejected_before_anything_starts():
+    with pytest.raises(ValueError, match="round_robin"):
+        RouterConfig(policy="bogus")
