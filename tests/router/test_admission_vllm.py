@@ -13,6 +13,7 @@ import pytest
 import pytest_asyncio
 
 from bench.overload import OverloadWorkload, compare, render
+from router import keys
 from router.config import AppConfig
 from router.server import running_router
 from tests.router.small_replica import small_replica
@@ -48,10 +49,15 @@ async def test_overload_admission_keeps_prefixes_and_avoids_preemption(small):
 async def test_over_capacity_is_429_with_retry_after(small):
     cfg = AppConfig().replace(router={"port": 0, "scrape_interval_s": 0.2}, policy={"max_queue": 0})
     body = {"prompt": [300] * 1000, "max_tokens": 1000, "ignore_eos": True}  # 63 blocks: about half the cache
-    async with running_router(cfg, small.endpoints) as (url, _):
+    async with running_router(cfg, small.endpoints) as (url, app):
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as http:
             first = asyncio.ensure_future(http.post(url + "/v1/completions", json=body))
-            await asyncio.sleep(0.3)
+            pool = app[keys.POOL]
+            for _ in range(300):  # wait until the first request is admitted and dispatched
+                if any(s.in_flight for s in pool.states()):
+                    break
+                await asyncio.sleep(0.02)
+            assert any(s.in_flight for s in pool.states()), "the first request never reached its replica"
             async with http.post(url + "/v1/completions", json=body) as r:
                 payload = await r.json()
             assert r.status == 429 and int(r.headers["Retry-After"]) >= 1, payload
