@@ -52,14 +52,21 @@ async def complete(http: aiohttp.ClientSession, url: str, prompt: list[int], max
 
 async def run_grpo(http: aiohttp.ClientSession, url: str, w: GrpoWorkload, vocab_size: int,
                    progress: Callable[[int], None] = lambda n: None) -> list[RequestRecord]:
-    """Each group's ``group_size`` samples are sent at once; groups run one after another."""
-    records: list[RequestRecord] = []
-    for g, prompt in enumerate(grpo_prompts(w, vocab_size)):
+    """Each group's ``group_size`` samples are sent at once, ``concurrent_groups`` groups at a time."""
+
+    async def group(g: int, prompt: list[int]) -> list[RequestRecord]:
         headers = {"X-Group-Id": f"grpo-{w.seed}-{g}"}
         done = await asyncio.gather(*(complete(http, url, prompt, w.max_tokens, headers, "grpo", f"g{g}")
                                       for _ in range(w.group_size)))
-        records += [rec for rec, _ in done]
         progress(w.group_size)
+        return [rec for rec, _ in done]
+
+    prompts = list(enumerate(grpo_prompts(w, vocab_size)))
+    records: list[RequestRecord] = []
+    step = max(1, w.concurrent_groups)
+    for start in range(0, len(prompts), step):
+        batch = await asyncio.gather(*(group(g, p) for g, p in prompts[start:start + step]))
+        records += [rec for recs in batch for rec in recs]
     return records
 
 

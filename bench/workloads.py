@@ -17,12 +17,14 @@ FIRST_ORDINARY_TOKEN = 8
 
 @dataclass(frozen=True)
 class GrpoWorkload:
-    """GRPO group sampling: ``num_prompts`` groups of ``group_size`` concurrent samples."""
+    """GRPO group sampling: ``num_prompts`` groups of ``group_size`` concurrent samples,
+    ``concurrent_groups`` groups in flight at once (as a trainer sends a step's groups)."""
 
     num_prompts: int = 4
     prompt_tokens: int = 2000
     group_size: int = 16
     max_tokens: int = 8
+    concurrent_groups: int = 2
     seed: int = 0
 
 

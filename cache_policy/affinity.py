@@ -84,6 +84,11 @@ class PrefixAffinityPolicy:
         if request.group_id is not None:
             self.pins.finished("group", request.group_id, replica_id)
 
+    def on_rejected(self, request: RequestView, decision: Decision) -> None:
+        """The replica refused the request: un-index the blocks this request added (those past
+        the prefix it already held), so later requests are not predicted to hit them."""
+        self.index.remove(request.block_hashes[decision.matched_blocks:], decision.replica_id)
+
     def on_replicas_changed(self, replica_ids: Sequence[ReplicaId]) -> None:
         """Drop the pins and index entries of replicas no longer in ``replica_ids``."""
         current = set(replica_ids)

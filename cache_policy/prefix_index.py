@@ -80,6 +80,19 @@ class PrefixIndex:
         self._touch(hashes[: max(result.values(), default=0)])
         return result
 
+    def remove(self, hashes: Sequence[BlockHash], replica: ReplicaId) -> None:
+        """Forget that ``replica`` holds ``hashes`` (e.g. blocks of a request it rejected)."""
+        for h in hashes:
+            holders = self._entries.get(h)
+            if holders is None or replica not in holders:
+                continue
+            holders.discard(replica)
+            if not holders:
+                del self._entries[h]
+            self._per_replica[replica] -= 1
+            if self._per_replica[replica] == 0:
+                del self._per_replica[replica]
+
     def remove_replica(self, replica: ReplicaId) -> None:
         """Forget every block ``replica`` holds (it left the fleet or lost its cache)."""
         if not self._per_replica.get(replica):

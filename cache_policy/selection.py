@@ -62,5 +62,8 @@ class NoopHooks:
     def on_finished(self, request: RequestView, replica_id: ReplicaId) -> None:
         """Called when ``request`` ended on ``replica_id`` (success, error or disconnect)."""
 
+    def on_rejected(self, request: RequestView, decision: Decision) -> None:
+        """Called when the replica refused ``request`` (4xx): it cached none of its blocks."""
+
     def on_replicas_changed(self, replica_ids: Sequence[ReplicaId]) -> None:
         """Called with the full current set of replica ids when it changes."""

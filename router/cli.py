@@ -10,6 +10,8 @@ import argparse
 import asyncio
 import dataclasses
 import logging
+import signal
+import socket
 import sys
 import typing
 from pathlib import Path
@@ -64,10 +66,13 @@ def _doc(cls: type, name: str) -> str:
     except (OSError, TypeError):
         return ""
     for i, line in enumerate(lines[:-1]):
-        if line.strip().startswith(f"{name}:"):
-            nxt = lines[i + 1].strip()
-            if nxt.startswith('"""'):
-                return nxt.strip('"').strip() + " "
+        if line.strip().startswith(f"{name}:") and lines[i + 1].strip().startswith('"""'):
+            parts = []
+            for doc_line in lines[i + 1:]:
+                parts.append(doc_line.strip().strip('"').strip())
+                if doc_line.rstrip().endswith('"""') and (len(parts) > 1 or doc_line.strip().count('"""') == 2):
+                    break
+            return " ".join(p for p in parts if p) + " "
     return ""
 
 
@@ -80,7 +85,9 @@ def dataclass_overrides(args: argparse.Namespace, cls: type, prefix: str = "") -
 def _parser() -> argparse.ArgumentParser:
     from bench.workloads import AgentWorkload, GrpoWorkload
 
-    parser = argparse.ArgumentParser(prog="rollout-router", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="rollout-router",
+        description="Prefix-cache-aware router for RL rollouts and OPD scoring in front of vLLM replicas.")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="start the replicas and serve the router until interrupted")
     demo = sub.add_parser("demo", help="run GRPO and agent traffic through the router vs round-robin")
@@ -101,15 +108,34 @@ def _config(args: argparse.Namespace) -> AppConfig:
     return cfg.replace(router=dataclass_overrides(args, RouterConfig), replicas=replicas)
 
 
+def _check_port_free(host: str, port: int) -> None:
+    """Fail before any replica starts when the router's port is taken (OSError names it)."""
+    if port == 0:
+        return
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            raise OSError(f"router.port {port} on {host} is not free ({exc.strerror}); pick another --port") from exc
+
+
 async def _serve(cfg: AppConfig) -> None:
+    """Replicas, then the router, until SIGINT or SIGTERM; both stop the replicas cleanly."""
     from replicas.replica_set import ReplicaSet
     from router.server import running_router
 
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
     async with ReplicaSet(cfg.replicas) as replica_set:
         async with running_router(cfg, replica_set.endpoints) as (url, _):
             print(f"rollout-router serving {len(replica_set.endpoints)} replica(s) at {url} "
-                  f"(policy {cfg.router.policy}); Ctrl-C stops", flush=True)
-            await asyncio.Event().wait()
+                  f"(policy {cfg.router.policy}); Ctrl-C or SIGTERM stops", flush=True)
+            await stop.wait()
+            print("rollout-router: stopping (in-flight requests get a few seconds), then the replicas ...",
+                  flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         cfg = _config(args)
+        if args.command == "serve":
+            _check_port_free(cfg.router.host, cfg.router.port)
     except (ValueError, OSError) as exc:
         print(f"rollout-router: config error: {exc}", file=sys.stderr)
         return 2

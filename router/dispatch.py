@@ -183,7 +183,10 @@ class Dispatcher:
             self.pool.acquire(rid)
             self.metrics.in_flight.labels(rid).inc()
             try:
-                return await attempt(placement)
+                resp = await attempt(placement)
+                if 400 <= resp.status < 500:  # refused before any block was cached
+                    self.policy.on_rejected(view, placement.decision)
+                return resp
             except ReplicaUnreachable as exc:
                 log.warning("replica %s unreachable: %s", rid, exc)
                 self.pool.get(rid).healthy = False

@@ -12,7 +12,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
     """POST /v1/completions: prompt as text or token IDs; streaming or not."""
     parsed = parse_completion(load_json_object(await request.read()), request.headers)
     prompt = parsed.prompt
-    token_ids = prompt if isinstance(prompt, list) else await request.app[keys.TOKENIZER].acompletion_ids(prompt)
+    tokenizer = request.app[keys.TOKENIZER]
+    if isinstance(prompt, list):
+        tokenizer.check_ids(prompt, "prompt")
+    token_ids = prompt if isinstance(prompt, list) else await tokenizer.acompletion_ids(prompt)
     return await request.app[keys.DISPATCHER].forward(request, parsed, token_ids)
 
 

@@ -69,12 +69,10 @@ def _routing_keys(body: dict[str, Any], headers: Mapping[str, str]) -> RoutingKe
         values[name] = None if value is None else str(value)
     version = values["weight_version"]
     if version is not None:
-        try:
+        if isinstance(version, str) and version.strip().isdigit():
             version = int(version)
-        except (TypeError, ValueError) as exc:
-            raise BadRequest("'weight_version' must be an integer", param="weight_version") from exc
-        if version < 0:
-            raise BadRequest("'weight_version' must be >= 0", param="weight_version")
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise BadRequest(f"'weight_version' must be an integer >= 0, got {version!r}", param="weight_version")
     return RoutingKeys(values["session_id"], values["group_id"], version)
 
 
@@ -95,10 +93,15 @@ def _validate_prompt(prompt: Any) -> str | list[int]:
         if min(prompt) < 0:
             raise BadRequest("'prompt' token IDs must be >= 0", param="prompt")
         return prompt
-    if isinstance(prompt, list):
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         raise BadRequest("'prompt' must be one string or one list of token IDs; batched prompts are not "
                          "supported, send one request per prompt", param="prompt")
-    raise BadRequest("'prompt' is required: a string or a list of token IDs", param="prompt")
+    if isinstance(prompt, list):
+        raise BadRequest("'prompt' token IDs must be integers", param="prompt")
+    if prompt is None:
+        raise BadRequest("'prompt' is required: a string or a list of token IDs", param="prompt")
+    raise BadRequest(f"'prompt' must be a string or a list of token IDs, got {type(prompt).__name__}",
+                     param="prompt")
 
 
 def _validate_messages(messages: Any) -> list[dict[str, Any]]:

@@ -24,6 +24,8 @@ class ReplicaState:
     in_flight: int = 0
     metrics: VllmMetrics = field(default_factory=VllmMetrics)
     weight_version: int | None = None
+    scrape_failures: int = 0
+    """Consecutive failed metrics scrapes (reset by a good one)."""
 
     def view(self) -> ReplicaView:
         m = self.metrics

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +18,8 @@ import aiohttp
 from aiohttp import web
 
 from router.errors import UpstreamError
+
+log = logging.getLogger(__name__)
 
 
 class ReplicaUnreachable(Exception):
@@ -67,11 +70,15 @@ async def relay_stream(client: web.Request, http: aiohttp.ClientSession, url: st
         resp = web.StreamResponse(status=200, headers={**headers, "Cache-Control": "no-cache"})
         resp.content_type = "text/event-stream"
         await resp.prepare(client)
-        async for chunk in up.content.iter_any():
-            await resp.write(chunk)
-        await resp.write_eof()
+        try:
+            async for chunk in up.content.iter_any():
+                await resp.write(chunk)
+            await resp.write_eof()
+        except ConnectionResetError:  # the client went away mid-stream: an expected outcome
+            log.info("client disconnected from %s mid-stream; aborting upstream", url)
+            up.close()  # dropping the upstream connection makes vLLM abort and free the KV cache
         return resp
-    except (ConnectionResetError, asyncio.CancelledError):
+    except asyncio.CancelledError:
         up.close()  # client went away: drop the upstream connection so vLLM aborts the request
         raise
     finally:

@@ -35,7 +35,7 @@ from cache_policy.scoring import ScoringCap, scoring_cap
 from router import keys
 from router.admission import ReplicaGone
 from router.dispatch import Placement
-from router.errors import BadRequest, UpstreamError
+from router.errors import BadRequest, RouterError, UpstreamError
 from router.parse import RoutingKeys, _is_token_ids, _routing_keys, _validate_messages, load_json_object
 from router.proxy import ReplicaUnreachable, post_json
 
@@ -66,6 +66,8 @@ def parse_score(body: dict[str, Any], headers) -> ScoreRequest:
         _validate_messages(messages)
     elif not ((isinstance(context, str) or _is_token_ids(context)) and context):
         raise BadRequest("'context' must be a non-empty string or list of token IDs", param="context")
+    elif isinstance(context, list) and min(context) < 0:
+        raise BadRequest("'context' token IDs must be >= 0", param="context")
     responses = body.get("responses")
     if not isinstance(responses, list) or not responses:
         raise BadRequest("'responses' must be a non-empty list of token-ID lists", param="responses")
@@ -77,7 +79,9 @@ def parse_score(body: dict[str, Any], headers) -> ScoreRequest:
     if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= MAX_TOP_LOGPROBS:
         raise BadRequest(f"'top_logprobs' must be an integer in [0, {MAX_TOP_LOGPROBS}]", param="top_logprobs")
     model = body.get("model")
-    return ScoreRequest(context, messages, responses, top, routing, model if isinstance(model, str) else None)
+    if model is not None and not isinstance(model, str):
+        raise BadRequest("'model' must be a string", param="model")
+    return ScoreRequest(context, messages, responses, top, routing, model)
 
 
 def _rows(payload: dict[str, Any], context_len: int, response: list[int], top: int) -> dict[str, Any]:
@@ -122,11 +126,21 @@ async def _score_one(dispatcher, placement: Placement, req: ScoreRequest, contex
     finally:
         dispatcher.pool.release(rid)
     if 400 <= result.status < 500:
-        message = (result.payload or {}).get("error", {}).get("message") if isinstance(result.payload, dict) else None
-        raise BadRequest(f"replica rejected the scoring request: {message or result.raw[:200]!r}", param="responses")
+        dispatcher.policy.on_rejected(dispatcher.request_view(context, req.keys, placement.cache_salt, "score"),
+                                      placement.decision)
+        raise _replica_rejection(result)
     if result.status != 200 or not isinstance(result.payload, dict):
         raise UpstreamError(f"replica {rid} failed a scoring request with HTTP {result.status}")
     return _rows(result.payload, len(context), response, req.top_logprobs)
+
+
+def _replica_rejection(result) -> RouterError:
+    """A replica's 4xx as our error: its status, and its ``param`` when it names one."""
+    error = result.payload.get("error", {}) if isinstance(result.payload, dict) else {}
+    message = error.get("message") or result.raw[:200].decode("utf-8", "replace")
+    exc = RouterError(f"replica rejected the scoring request: {message}", param=error.get("param") or "responses")
+    exc.status, exc.type = result.status, "invalid_request_error"
+    return exc
 
 
 async def _gather_or_cancel(coros) -> list[Any]:
@@ -149,6 +163,9 @@ async def score(request: web.Request) -> web.Response:
         context = await tokenizer.achat_ids(req.messages, add_generation_prompt=True)
     else:
         context = req.context if isinstance(req.context, list) else await tokenizer.acompletion_ids(req.context)
+    tokenizer.check_ids(context, "context")
+    for k, response in enumerate(req.responses):
+        tokenizer.check_ids(response, f"responses[{k}]")
     caps = [scoring_cap(len(context), len(context) + len(r)) for r in req.responses]
     dispatcher = request.app[keys.DISPATCHER]
     choice = dispatcher.salt_for(req.keys)

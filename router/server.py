@@ -32,10 +32,14 @@ async def running_router(cfg: AppConfig, endpoints: Sequence[ReplicaEndpoint],
     """Serve a router for ``endpoints``; yield ``(base_url, app)``; shut down on exit."""
     tokenizer = tokenizer or PromptTokenizer(tokenizer_path(cfg))
     app = create_app(cfg, endpoints, tokenizer)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
     await runner.setup()
-    site = web.TCPSite(runner, cfg.router.host, cfg.router.port)
-    await site.start()
+    try:
+        site = web.TCPSite(runner, cfg.router.host, cfg.router.port)
+        await site.start()
+    except BaseException:
+        await runner.cleanup()
+        raise
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     try:
         yield f"http://{cfg.router.host}:{port}", app

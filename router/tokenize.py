@@ -39,6 +39,13 @@ class PromptTokenizer:
     def vocab_size(self) -> int:
         return len(self._tok)
 
+    def check_ids(self, token_ids: list[int], param: str) -> None:
+        """BadRequest naming ``param`` when a token ID is outside ``[0, vocab_size)``."""
+        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise BadRequest(f"'{param}' holds token ID {bad}, outside the model's vocabulary "
+                             f"[0, {self.vocab_size})", param=param)
+
     def completion_ids(self, prompt: str) -> list[int]:
         return list(self._tok(prompt, add_special_tokens=True)["input_ids"])
 

@@ -282,3 +282,23 @@ def test_finished_releases_own_in_flight(fleet2, req) -> None:
         fleet2.finish(p, m, d.replica_id)
     fleet2.finish(p, members[0], decisions[0].replica_id)  # a stray extra release
     assert p.pins.get("group", "g").own_in_flight == 0
+
+
+def test_a_rejected_request_is_not_predicted_as_a_hit_later() -> None:
+    import random
+
+    from cache_policy.affinity import PrefixAffinityPolicy
+    from cache_policy.config import PolicyConfig
+    from cache_policy.types import BlockHash, ReplicaId, ReplicaView, RequestView
+
+    policy = PrefixAffinityPolicy(PolicyConfig(), random.Random(0))
+    replicas = [ReplicaView(ReplicaId("r0")), ReplicaView(ReplicaId("r1"))]
+    held = RequestView(tuple(BlockHash(i) for i in range(1, 4)), 96)
+    policy.on_routed(held, policy.select(held, replicas))
+    longer = RequestView(tuple(BlockHash(i) for i in range(1, 9)), 256)
+    decision = policy.select(longer, replicas)
+    assert decision.matched_blocks == 3
+    policy.on_routed(longer, decision)
+    policy.on_rejected(longer, decision)  # e.g. the prompt was too long for the replica
+    again = policy.select(longer, replicas)
+    assert again.matched_blocks == 3  # the 3 blocks it really holds, not the 8 it refused

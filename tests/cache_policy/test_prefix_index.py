@@ -89,3 +89,20 @@ def test_size_bounded_under_churn() -> None:
 def test_invalid_capacity() -> None:
     with pytest.raises(ValueError, match="max_blocks"):
         PrefixIndex(0)
+
+
+def test_remove_forgets_only_the_given_blocks_of_one_replica() -> None:
+    from cache_policy.prefix_index import PrefixIndex
+    from cache_policy.types import BlockHash, ReplicaId
+
+    index = PrefixIndex(max_blocks=100)
+    a, b = ReplicaId("a"), ReplicaId("b")
+    hashes = [BlockHash(i) for i in range(1, 6)]
+    index.insert(hashes, a)
+    index.insert(hashes[:2], b)
+    index.remove(hashes[2:], a)
+    assert index.match(hashes) == {a: 2, b: 2}
+    index.remove(hashes[:2], b)
+    assert index.match(hashes) == {a: 2}
+    assert len(index) == 2
+    index.check_integrity()

@@ -35,6 +35,8 @@ def test_single_element_prompt_list_is_unwrapped():
     ({"prompt": "x", "n": -1}, "n"),
     ({"prompt": "x", "session_id": {"a": 1}}, "session_id"),
     ({"prompt": "x", "weight_version": -3}, "weight_version"),
+    ({"prompt": "x", "weight_version": float("inf")}, "weight_version"),
+    ({"prompt": "x", "weight_version": True}, "weight_version"),
 ])
 def test_completion_errors_name_the_field(body, param):
     with pytest.raises(BadRequest) as err:
@@ -67,6 +69,8 @@ def test_body_must_be_a_json_object(raw):
     ({"context": [1, 2], "responses": []}, "responses"),
     ({"context": [1, 2], "responses": [[1], []]}, "responses[1]"),
     ({"context": [1, 2], "responses": [[1]], "top_logprobs": 99}, "top_logprobs"),
+    ({"context": [9, -5], "responses": [[30]]}, "context"),
+    ({"context": [9], "responses": [[30]], "model": 7}, "model"),
 ])
 def test_score_errors_name_the_field(body, param):
     with pytest.raises(BadRequest) as err:

@@ -135,6 +135,9 @@ async def test_keyless_requests_spread_over_both_replicas(router, replica_set):
     ({"prompt": "hi", "stream": "yes"}, "stream"),
     ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "hi", "weight_version": "new"}, "weight_version"),
+    ({"prompt": "hi", "weight_version": 1.5}, "weight_version"),
+    ({"prompt": [9, 10, 99999999999999999999999]}, "prompt"),
+    ({"prompt": [9, 10, 1130]}, "prompt"),  # the tiny model's vocabulary is [0, 1130)
 ])
 async def test_malformed_completion_is_400_naming_the_field(router, body, param):
     async with router.http.post(router.url + "/v1/completions", json=body) as r:
