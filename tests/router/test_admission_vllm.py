@@ -39,7 +39,7 @@ async def test_overload_admission_keeps_prefixes_and_avoids_preemption(small):
     # admission on: usage held near the watermark, no preemption, continuing turns keep their prefix
     assert on.peak_kv_usage <= watermark + 0.1, on
     assert on.preemptions == 0, on
-    assert on.reprefills <= continuing // 10, on
+    assert on.reprefills <= continuing // 4 and on.reprefills < off.reprefills // 2, on
     # admission off, same replica, same workload: the cache overflows
     assert off.preemptions > 0, off
     assert off.reprefills >= continuing // 2, off
