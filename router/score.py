@@ -32,6 +32,7 @@ from typing import Any
 from aiohttp import web
 
 from cache_policy.scoring import ScoringCap, scoring_cap
+from replicas.vllm_plugin.contract import SCORE_START_KEY
 from router import keys
 from router.admission import ReplicaGone
 from router.dispatch import Placement
@@ -39,8 +40,6 @@ from router.errors import BadRequest, RouterError, UpstreamError
 from router.parse import RoutingKeys, _is_token_ids, _routing_keys, _validate_messages, load_json_object
 from router.proxy import ReplicaUnreachable, post_json
 
-SCORE_START_KEY = "rollout_router_score_start"
-"""``vllm_xargs`` key carrying S to the replica plugin (`replicas.vllm_plugin`)."""
 MAX_TOP_LOGPROBS = 20
 
 
