@@ -45,12 +45,13 @@ def _flag_type(cls: type, f: dataclasses.Field) -> type | None:
     return base if base in _SIMPLE else None
 
 
-def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, prefix: str = "") -> None:
-    """One ``--name`` flag per simple field of ``cls`` (defaults shown from the dataclass)."""
+def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, prefix: str = "",
+                        skip: frozenset[str] = frozenset()) -> None:
+    """One ``--name`` flag per simple field of ``cls`` not in ``skip`` (defaults from the dataclass)."""
     group = parser.add_argument_group(cls.__name__)
     for f in dataclasses.fields(cls):
         kind = _flag_type(cls, f)
-        if kind is None:
+        if kind is None or f.name in skip:
             continue
         default = f.default if f.default is not dataclasses.MISSING else None
         group.add_argument(f"--{prefix}{f.name}".replace("_", "-"), dest=f"{prefix}{f.name}".replace("-", "_"), type=kind,
@@ -94,8 +95,10 @@ def _parser() -> argparse.ArgumentParser:
     for p in (serve, demo):
         p.add_argument("--config", default=None, help="YAML config (sections router, replicas, policy)")
         p.add_argument("--num-replicas", type=int, default=None, help="override replicas.num_replicas")
-        p.add_argument("--log-level", default="WARNING")
-        add_dataclass_flags(p, RouterConfig)
+        p.add_argument("--log-level", default="WARNING", help="DEBUG | INFO | WARNING | ERROR (default: WARNING)")
+    add_dataclass_flags(serve, RouterConfig)
+    # the demo runs its own routers on free ports, once per policy
+    add_dataclass_flags(demo, RouterConfig, skip=frozenset({"host", "port", "policy"}))
     add_dataclass_flags(demo, GrpoWorkload, "grpo-")
     add_dataclass_flags(demo, AgentWorkload, "agent-")
     demo.add_argument("--out", default="results/demo.json", help="JSON results (a PNG plot goes beside it)")

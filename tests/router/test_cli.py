@@ -1,0 +1,33 @@
+"""The CLI: flags come from the config dataclasses; config mistakes exit 2 before anything starts."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from router.cli import _config, _parser, main
+
+
+def test_flags_override_config_fields():
+    args = _parser().parse_args(["serve", "--port", "9123", "--policy", "round_robin", "--admission", "false"])
+    cfg = _config(args)
+    assert (cfg.router.port, cfg.router.policy, cfg.router.admission) == (9123, "round_robin", False)
+
+
+def test_demo_has_no_port_or_policy_flags():
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["demo", "--port", "1"])
+    args = _parser().parse_args(["demo", "--grpo-num-prompts", "2", "--agent-turns", "3"])
+    assert args.grpo_num_prompts == 2 and args.agent_turns == 3
+
+
+def test_config_errors_exit_2(capsys):
+    assert main(["serve", "--policy", "bogus"]) == 2
+    assert "router.policy" in capsys.readouterr().err
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert main(["serve", "--port", str(port)]) == 2
+    assert f"router.port {port}" in capsys.readouterr().err
