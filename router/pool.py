@@ -7,6 +7,7 @@ decremented exactly once per request, on completion, error or disconnect.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
@@ -58,8 +59,7 @@ class ReplicaPool:
         self._states = {}
         for ep in endpoints:
             state = old.get(ep.replica_id)
-            self._states[ep.replica_id] = ReplicaState(ep) if state is None else ReplicaState(
-                ep, state.healthy, state.in_flight, state.metrics, state.weight_version)
+            self._states[ep.replica_id] = ReplicaState(ep) if state is None else dataclasses.replace(state, endpoint=ep)
 
     @property
     def block_size(self) -> int:
