@@ -125,8 +125,6 @@ async def _score_one(dispatcher, placement: Placement, req: ScoreRequest, contex
     finally:
         dispatcher.pool.release(rid)
     if 400 <= result.status < 500:
-        dispatcher.policy.on_rejected(dispatcher.request_view(context, req.keys, placement.cache_salt, "score"),
-                                      placement.decision)
         raise _replica_rejection(result)
     if result.status != 200 or not isinstance(result.payload, dict):
         raise UpstreamError(f"replica {rid} failed a scoring request with HTTP {result.status}")
@@ -185,6 +183,10 @@ async def score(request: web.Request) -> web.Response:
             if len(tried) > 1:
                 raise UpstreamError(f"scoring failed on {', '.join(tried)}: {exc}") from exc
             dispatcher.metrics.retries.labels("score_failed").inc()
+        except RouterError as exc:
+            if 400 <= exc.status < 500:  # the replica refused the batch: it cached none of its blocks
+                dispatcher.policy.on_rejected(view, placement.decision)
+            raise
         finally:
             dispatcher.release(ticket)
             dispatcher.policy.on_finished(view, placement.replica_id)
