@@ -53,6 +53,10 @@ class ReplicaSetConfig:
     """Seconds a replica may take to answer ``/health`` before its start fails."""
     enable_plugin: bool = True
     """Load vLLM general plugins (our scoring-cap plugin); False sets ``VLLM_PLUGINS=""``."""
+    invariant_attention: bool = True
+    """CPU only: chunk-invariant attention (the plugin's ``ROLLOUT_ROUTER_INVARIANT_ATTENTION``): a
+    prompt row's logprob no longer depends on chunking, cache hits or batch order, so capped scoring
+    rows equal uncached rows bit for bit. Changes the rounding of every request on the replica."""
     extra_args: tuple[str, ...] = ()
     """Extra ``vllm`` server flags, appended as they are."""
     extra_env: dict[str, str] = field(default_factory=dict)

@@ -10,6 +10,7 @@ import socket
 import sys
 
 from replicas.config import TINY_MODEL, ReplicaSetConfig
+from replicas.vllm_plugin.contract import INVARIANT_ATTENTION_ENV
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 
@@ -57,6 +58,8 @@ def build_env(cfg: ReplicaSetConfig, index: int, base: dict[str, str] | None = N
     if cfg.engine == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = _gib_str(cfg.kv_cache_space_gib)
         env["VLLM_CPU_OMP_THREADS_BIND"] = omp_threads_bind(cfg, index)
+        if cfg.invariant_attention:
+            env[INVARIANT_ATTENTION_ENV] = "1"
     if not cfg.enable_plugin:
         env["VLLM_PLUGINS"] = ""
     env.update(cfg.extra_env)

@@ -9,18 +9,19 @@ back as ``None``, rows from S on are exact or the request fails. See :mod:`.cont
 positions, :mod:`.guard` for what is checked before patching and :mod:`.support` for the
 configurations that fall back. Modules, one concern each:
 
-==================  ===============================================================
-``guard``           version / symbol / signature / source checks (all-or-nothing)
-``support``         per-engine configuration check
-``admission``       engine core: S and the cap onto the ``Request`` (EngineCore)
-``cache_lookup``    engine core: cap every cache lookup (KVCacheManager)
-``score_check``     engine core: completeness check, trim, per-request error (Scheduler)
-``runner_v1``       worker: sentinel-filled prompt-logprob buffer (GPUModelRunner)
-``runner_v2``       worker, GPU: absolute rows for the V2 runner (PromptLogprobsWorker)
-``validation``      front end: HTTP 400 for a bad S (InputProcessor)
-``prompt_rows``     front end: ``None`` before S (LogprobsProcessor)
-``metrics``         ``rollout_router_scoring_cap_active`` gauge on /metrics
-==================  ===============================================================
+=========================  ===============================================================
+``guard``                  version / symbol / signature / source checks (all-or-nothing)
+``support``                per-engine configuration check
+``admission``              engine core: S and the cap onto the ``Request`` (EngineCore)
+``cache_lookup``           engine core: cap every cache lookup (KVCacheManager)
+``score_check``            engine core: completeness check, trim, per-request error (Scheduler)
+``runner_v1``              worker: sentinel-filled prompt-logprob buffer (GPUModelRunner)
+``runner_v2``              worker, GPU: absolute rows for the V2 runner (PromptLogprobsWorker)
+``validation``             front end: HTTP 400 for a bad S (InputProcessor)
+``prompt_rows``            front end: ``None`` before S (LogprobsProcessor)
+``metrics``                ``rollout_router_scoring_cap_active`` gauge on /metrics
+``invariant_attention``    worker, CPU, opt-in: attention rows independent of chunking
+=========================  ===============================================================
 """
 
 from __future__ import annotations
@@ -77,8 +78,8 @@ def _install() -> str:
 
 def _installers() -> list:
     from replicas.vllm_plugin import (
-        admission, cache_lookup, guard, metrics, prompt_rows, runner_v1, runner_v2, score_check,
-        validation,
+        admission, cache_lookup, guard, invariant_attention, metrics, prompt_rows, runner_v1, runner_v2,
+        score_check, validation,
     )
 
     installers = [admission.install, cache_lookup.install, score_check.install, runner_v1.install,
@@ -89,6 +90,12 @@ def _installers() -> list:
         logger.info("rollout_router scoring cap: V2 model runner not patched (%s)", v2_reason)
     else:
         installers.append(runner_v2.install)
+    if invariant_attention.enabled():
+        reason = guard.check_targets(invariant_attention.TARGETS)
+        if reason:  # exactness degrades to ~1e-6 differences; the cap itself still works
+            logger.warning("rollout_router: chunk-invariant attention not installed (%s)", reason)
+        else:
+            installers.append(invariant_attention.install)
     return installers
 
 

@@ -44,6 +44,10 @@ SCORE_START_KEY = "rollout_router_score_start"
 """``SamplingParams.extra_args`` key (``vllm_xargs`` over HTTP) carrying S, the first scored
 position (``P - 1``)."""
 
+INVARIANT_ATTENTION_ENV = "ROLLOUT_ROUTER_INVARIANT_ATTENTION"
+"""Replica environment variable; ``"1"`` turns on chunk-invariant CPU attention
+(:mod:`replicas.vllm_plugin.invariant_attention`), which makes capped rows bit-identical."""
+
 SCORE_START_FIELD = f"vllm_xargs.{SCORE_START_KEY}"
 """How validation errors name the field (the HTTP body path of the key)."""
 

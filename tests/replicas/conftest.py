@@ -32,6 +32,7 @@ from typing import Any
 import pytest
 
 from replicas.vllm_plugin import SCORE_START_KEY
+from replicas.vllm_plugin.contract import INVARIANT_ATTENTION_ENV
 
 MODEL_NAME = "tiny-plugin"
 BLOCK_SIZE = 32
@@ -168,7 +169,8 @@ def plugin_servers(tmp_path_factory) -> PluginServers:
     log_dir = tmp_path_factory.mktemp("vllm-plugin-servers")
     ncpu = os.cpu_count() or 1
     servers = PluginServers(
-        capped=VllmServer("capped", model, log_dir, {"ROLLOUT_ROUTER_PLUGIN_TEST_HOOKS": "1"}, 0),
+        capped=VllmServer("capped", model, log_dir,
+                          {"ROLLOUT_ROUTER_PLUGIN_TEST_HOOKS": "1", INVARIANT_ATTENTION_ENV: "1"}, 0),
         disabled=VllmServer("disabled", model, log_dir, {"VLLM_PLUGINS": ""}, 1 % ncpu),
     )
     try:

@@ -86,6 +86,13 @@ def test_env_sets_dev_mode_kv_space_binding_and_plugin_switch():
     assert off["VLLM_PLUGINS"] == "" and off["VLLM_CPU_KVCACHE_SPACE"] == "3"
 
 
+def test_invariant_attention_is_on_by_default_on_cpu_only():
+    assert build_env(ReplicaSetConfig(), 0, base={})["ROLLOUT_ROUTER_INVARIANT_ATTENTION"] == "1"
+    assert "ROLLOUT_ROUTER_INVARIANT_ATTENTION" not in build_env(
+        ReplicaSetConfig(invariant_attention=False), 0, base={})
+    assert "ROLLOUT_ROUTER_INVARIANT_ATTENTION" not in build_env(ReplicaSetConfig(engine="gpu"), 0, base={})
+
+
 def test_omp_binding_auto_wraps_cores_and_explicit_parts_must_cover_replicas():
     assert [omp_threads_bind(ReplicaSetConfig(), i, ncpu=2) for i in range(3)] == ["0", "1", "0"]
     assert omp_threads_bind(ReplicaSetConfig(omp_threads_bind="0-3"), 5) == "0-3"
