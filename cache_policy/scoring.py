@@ -115,3 +115,49 @@ def ideal_computed_tokens(context_len: int, response_lens: Sequence[int], block_
         cap = scoring_cap(context_len, context_len + r).cap_tokens
         total += context_len + r - cached_tokens_bound(cap, block_size)
     return total
+
+
+@dataclass(frozen=True)
+class PrefillCost:
+    """FLOPs to prefill one prompt row of a dense decoder at position ``p`` (0-based):
+    ``linear_flops + attention_flops_per_key * (p + 1)``.
+
+    The token-count bound (:func:`speedup_bound`) treats every row alike; this model adds that a
+    row attends to all keys before it, which is what makes late rows (the ones reuse cannot
+    skip) dearer than early ones in attention-heavy models.
+    """
+
+    linear_flops: float
+    """Per row: every layer's Q/K/V/O projections and MLP, plus the LM head (prompt logprobs
+    need logits on every computed row)."""
+    attention_flops_per_key: float
+    """Per row and attended key, all layers: ``QK^T`` and ``PV``."""
+
+    @classmethod
+    def llama(cls, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int,
+              vocab: int) -> "PrefillCost":
+        """From a Llama ``config.json``'s sizes (2 FLOPs per multiply-add)."""
+        head_dim = hidden // heads
+        projections = 2 * hidden * hidden + 2 * hidden * kv_heads * head_dim  # Q, O and K, V
+        per_layer = 2 * (projections + 3 * hidden * intermediate)  # gate, up, down
+        return cls(linear_flops=layers * per_layer + 2 * hidden * vocab,
+                   attention_flops_per_key=layers * 4 * heads * head_dim)
+
+    def rows(self, start: int, end: int) -> float:
+        """FLOPs for rows at positions ``start .. end - 1``."""
+        if not 0 <= start <= end:
+            raise ValueError(f"need 0 <= start <= end, got start={start}, end={end}")
+        keys = (end * (end + 1) - start * (start + 1)) // 2  # sum of (p + 1) over the rows
+        return (end - start) * self.linear_flops + keys * self.attention_flops_per_key
+
+
+def flop_weighted_bound(context_len: int, response_lens: Sequence[int], cost: PrefillCost) -> float:
+    """:func:`speedup_bound` with rows weighted by :class:`PrefillCost`: uncached, request k
+    computes rows ``0 .. P + R_k - 1``; with perfect reuse, request 0 does too and every other
+    request computes only its response rows ``P .. P + R_k - 1``. Equals the token bound when
+    ``attention_flops_per_key`` is 0."""
+    _check_group(context_len, response_lens)
+    uncached = sum(cost.rows(0, context_len + r) for r in response_lens)
+    reused = cost.rows(0, context_len + response_lens[0]) + sum(
+        cost.rows(context_len, context_len + r) for r in response_lens[1:])
+    return uncached / reused

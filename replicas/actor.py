@@ -28,7 +28,7 @@ import ray
 
 from replicas import ops
 from replicas.config import ReplicaSetConfig
-from replicas.server import build_command, build_env, free_port
+from replicas.server import FRONTEND_CPUS_ENV, build_command, build_env, free_port
 
 HEALTH_POLL_S = 0.5
 STOP_GRACE_S = 15.0
@@ -40,8 +40,12 @@ _DIE_WITH_PARENT = (
     "import ctypes, os, signal, sys\n"
     "try:\n ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))\n"
     "except Exception:\n pass\n"
+    f"cpus = os.environ.pop({FRONTEND_CPUS_ENV!r}, '')\n"
+    "if cpus:\n os.sched_setaffinity(0, [int(c) for c in cpus.split(',')])\n"
     "os.execvp(sys.argv[1], sys.argv[1:])"
 )
+"""Runs first in the replica's process: die with the actor (``PR_SET_PDEATHSIG``), move onto
+``ReplicaSetConfig.frontend_cpus`` if set (the worker re-pins its own threads), then exec."""
 
 
 @dataclass(frozen=True)

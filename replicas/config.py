@@ -45,6 +45,9 @@ class ReplicaSetConfig:
     """Concurrent sequences per replica (``--max-num-seqs``); None = vLLM's default."""
     omp_threads_bind: str = "auto"
     """CPU only: ``"auto"`` = replica i on core ``i % nproc``; else ``"0|1"``-style, one part per replica."""
+    frontend_cpus: str = ""
+    """CPU only: cores (``"1"``, ``"2-3,6"``) for each replica's API server and engine-core processes,
+    keeping their Python work off the cores the workers compute on; ``""`` = the OS decides."""
     urls: tuple[str, ...] = ()
     """Existing vLLM servers used as they are instead of launching any (no Ray)."""
     ray_address: str | None = None
@@ -85,6 +88,10 @@ class ReplicaSetConfig:
         _check(self.max_num_seqs is None or self.max_num_seqs > 0, "max_num_seqs", "must be > 0 or None")
         _check(self.startup_timeout_s > 0, "startup_timeout_s", "must be > 0")
         _check(bool(self.omp_threads_bind), "omp_threads_bind", 'must be "auto" or e.g. "0|1"')
+        try:
+            parse_cpu_list(self.frontend_cpus)
+        except ValueError as e:
+            raise ValueError(f"ReplicaSetConfig.frontend_cpus {e}") from None
         _check(all(u.startswith(("http://", "https://")) for u in self.urls), "urls",
                "each must start with http:// or https://")
 
@@ -107,6 +114,17 @@ class ReplicaSetConfig:
         if d.get("extra_env") is not None:
             d["extra_env"] = {str(k): str(v) for k, v in d["extra_env"].items()}
         return cls(**d)
+
+
+def parse_cpu_list(spec: str) -> list[int]:
+    """``"1"``, ``"0-2,5"`` -> ``[1]``, ``[0, 1, 2, 5]``; ``""`` -> ``[]``. ``ValueError`` if malformed."""
+    cpus: list[int] = []
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        lo, _, hi = part.partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()) or (hi and int(hi) < int(lo)):
+            raise ValueError(f"must look like '1' or '0-2,5', got {spec!r}")
+        cpus.extend(range(int(lo), int(hi or lo) + 1))
+    return cpus
 
 
 def _check(ok: bool, name: str, msg: str) -> None:

@@ -9,7 +9,7 @@ import os
 import socket
 import sys
 
-from replicas.config import TINY_MODEL, ReplicaSetConfig
+from replicas.config import TINY_MODEL, ReplicaSetConfig, parse_cpu_list
 from replicas.vllm_plugin.contract import INVARIANT_ATTENTION_ENV
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
@@ -50,6 +50,10 @@ def build_command(cfg: ReplicaSetConfig, model_path: str, port: int) -> list[str
     return cmd + list(cfg.extra_args)
 
 
+FRONTEND_CPUS_ENV = "ROLLOUT_ROUTER_FRONTEND_CPUS"
+"""Read (and removed) by the replica launcher shim in ``replicas/actor.py`` before it execs vLLM."""
+
+
 def build_env(cfg: ReplicaSetConfig, index: int, base: dict[str, str] | None = None) -> dict[str, str]:
     """Environment for replica ``index``: ``base`` (default ``os.environ``) plus our knobs."""
     env = dict(os.environ if base is None else base)
@@ -60,6 +64,8 @@ def build_env(cfg: ReplicaSetConfig, index: int, base: dict[str, str] | None = N
         env["VLLM_CPU_OMP_THREADS_BIND"] = omp_threads_bind(cfg, index)
         if cfg.invariant_attention:
             env[INVARIANT_ATTENTION_ENV] = "1"
+        if cfg.frontend_cpus:
+            env[FRONTEND_CPUS_ENV] = ",".join(map(str, parse_cpu_list(cfg.frontend_cpus)))
     if not cfg.enable_plugin:
         env["VLLM_PLUGINS"] = ""
     env.update(cfg.extra_env)

@@ -37,11 +37,25 @@ class TinyModelSpec:
     num_key_value_heads: int = 2
     max_position_embeddings: int = 16384
 
+    @classmethod
+    def wide(cls, hidden_size: int, seed: int = 0) -> "TinyModelSpec":
+        """A wider variant for benchmarks: 64-dim heads and a Llama-like 2.75x MLP, so per-token
+        cost is dominated by the linear layers (as in production models) rather than attention,
+        which dominates in the 128-wide default. ``hidden_size`` must be a multiple of 64."""
+        if hidden_size < 64 or hidden_size % 64:
+            raise ValueError(f"hidden_size must be a positive multiple of 64, got {hidden_size}")
+        heads = hidden_size // 64
+        return cls(seed=seed, hidden_size=hidden_size, intermediate_size=hidden_size * 11 // 4,
+                   num_attention_heads=heads, num_key_value_heads=heads)
 
-def default_model_dir(seed: int = 0) -> Path:
-    """``$ROLLOUT_ROUTER_CACHE/models/tiny-llama-seed{seed}`` (default cache ``~/.cache/rollout-router``)."""
+
+def default_model_dir(seed: int = 0, spec: "TinyModelSpec | None" = None) -> Path:
+    """``$ROLLOUT_ROUTER_CACHE/models/tiny-llama-seed{seed}`` (default cache ``~/.cache/rollout-router``);
+    a non-default shape gets ``tiny-llama-h{hidden}-seed{seed}``."""
     root = Path(os.environ.get("ROLLOUT_ROUTER_CACHE", Path.home() / ".cache" / "rollout-router"))
-    return root / "models" / f"tiny-llama-seed{seed}"
+    if spec is not None and spec.hidden_size != TinyModelSpec.hidden_size:
+        return root / "models" / f"tiny-llama-h{spec.hidden_size}-seed{spec.seed}"
+    return root / "models" / f"tiny-llama-seed{seed if spec is None else spec.seed}"
 
 
 def _train_tokenizer(spec: TinyModelSpec):
@@ -108,7 +122,7 @@ def ensure_tiny_model(out_dir: Path | None = None, spec: TinyModelSpec = TinyMod
 
     Raises ``OSError`` if the folder cannot be written.
     """
-    out = Path(out_dir) if out_dir is not None else default_model_dir(spec.seed)
+    out = Path(out_dir) if out_dir is not None else default_model_dir(spec.seed, spec)
     want = asdict(spec)
     marker = out / SPEC_FILE
     if marker.exists() and json.loads(marker.read_text()) == want:

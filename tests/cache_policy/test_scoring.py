@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 
 from cache_policy.scoring import (
+    PrefillCost,
     ScoringCap,
     cached_tokens_bound,
+    flop_weighted_bound,
     ideal_computed_tokens,
     scoring_cap,
     speedup_bound,
@@ -68,3 +70,32 @@ def test_ideal_computed_tokens() -> None:
     assert ideal_computed_tokens(64, [5, 7], 32) == 69 + (71 - 32)
     assert ideal_computed_tokens(20, [5, 5], 32) == 50  # context under a block: no reuse
     assert ideal_computed_tokens(100, [10], 32) == 110
+
+
+def test_prefill_cost_rows_sums_linear_plus_attention_per_position():
+    cost = PrefillCost(linear_flops=10.0, attention_flops_per_key=3.0)
+    for start, end in [(0, 0), (0, 1), (0, 7), (5, 9), (175, 905)]:
+        want = sum(10.0 + 3.0 * (p + 1) for p in range(start, end))
+        assert cost.rows(start, end) == want
+    with pytest.raises(ValueError, match="start"):
+        cost.rows(5, 4)
+
+
+def test_llama_cost_counts_every_weight_matrix_twice():
+    # hidden 8, 2 heads of 4, 1 KV head (GQA), MLP 16, 3 layers, vocab 50
+    cost = PrefillCost.llama(hidden=8, intermediate=16, layers=3, heads=2, kv_heads=1, vocab=50)
+    q, k, v, o = 8 * 8, 8 * 4, 8 * 4, 8 * 8
+    gate, up, down = 8 * 16, 8 * 16, 16 * 8
+    assert cost.linear_flops == 2 * (3 * (q + k + v + o + gate + up + down) + 8 * 50)
+    assert cost.attention_flops_per_key == 3 * 2 * 2 * (2 * 4)  # layers * (QK + PV) * 2 FLOPs * q dims
+
+
+def test_flop_weighted_bound_is_the_token_bound_without_attention_and_below_it_with():
+    lens = [437, 600, 800, 1024]
+    flat = PrefillCost(linear_flops=1.0, attention_flops_per_key=0.0)
+    assert flop_weighted_bound(175, lens, flat) == pytest.approx(speedup_bound(175, lens))
+    heavy = PrefillCost(linear_flops=1.0, attention_flops_per_key=0.01)
+    by_hand = (sum(heavy.rows(0, 175 + r) for r in lens)
+               / (heavy.rows(0, 175 + lens[0]) + sum(heavy.rows(175, 175 + r) for r in lens[1:])))
+    assert flop_weighted_bound(175, lens, heavy) == pytest.approx(by_hand)
+    assert 1.0 < flop_weighted_bound(175, lens, heavy) < speedup_bound(175, lens)

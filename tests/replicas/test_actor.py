@@ -83,3 +83,23 @@ def test_server_dies_with_its_owner(tmp_path):
     while _alive(server_pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _alive(server_pid)
+
+
+def test_the_launcher_shim_moves_the_replica_onto_frontend_cpus():
+    """The shim that execs vLLM applies ``frontend_cpus`` (here: exec a probe instead of vLLM)."""
+    import json
+    import subprocess
+    import sys
+
+    from replicas.actor import _DIE_WITH_PARENT
+    from replicas.config import ReplicaSetConfig
+    from replicas.server import FRONTEND_CPUS_ENV, build_env
+
+    allowed = sorted(os.sched_getaffinity(0))
+    cfg = ReplicaSetConfig(frontend_cpus=str(allowed[-1]))
+    env = build_env(cfg, 0)
+    assert env[FRONTEND_CPUS_ENV] == str(allowed[-1])
+    probe = "import json, os; print(json.dumps([sorted(os.sched_getaffinity(0)), os.environ.get(%r)]))" % FRONTEND_CPUS_ENV
+    out = subprocess.run([sys.executable, "-c", _DIE_WITH_PARENT, sys.executable, "-c", probe],
+                         env=env, capture_output=True, text=True, check=True).stdout
+    assert json.loads(out) == [[allowed[-1]], None]  # pinned, and the variable consumed

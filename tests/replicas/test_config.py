@@ -106,3 +106,12 @@ def test_free_port_is_bindable():
     port = free_port()
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
+
+
+def test_frontend_cpus_parse_and_bad_values_name_the_field():
+    from replicas.config import parse_cpu_list
+
+    assert parse_cpu_list("") == [] and parse_cpu_list("1") == [1] and parse_cpu_list("0-2,5") == [0, 1, 2, 5]
+    for bad in ("x", "3-1", "1-", "-2"):
+        with pytest.raises(ValueError, match="frontend_cpus"):
+            ReplicaSetConfig(frontend_cpus=bad)
