@@ -120,8 +120,8 @@ def parse_cpu_list(spec: str) -> list[int]:
     """``"1"``, ``"0-2,5"`` -> ``[1]``, ``[0, 1, 2, 5]``; ``""`` -> ``[]``. ``ValueError`` if malformed."""
     cpus: list[int] = []
     for part in filter(None, (p.strip() for p in spec.split(","))):
-        lo, _, hi = part.partition("-")
-        if not lo.isdigit() or (hi and not hi.isdigit()) or (hi and int(hi) < int(lo)):
+        lo, dash, hi = part.partition("-")
+        if not lo.isdigit() or (dash and (not hi.isdigit() or int(hi) < int(lo))):
             raise ValueError(f"must look like '1' or '0-2,5', got {spec!r}")
         cpus.extend(range(int(lo), int(hi or lo) + 1))
     return cpus
