@@ -32,7 +32,7 @@ from typing import Any
 from aiohttp import web
 
 from cache_policy.scoring import ScoringCap, scoring_cap
-from replicas.vllm_plugin.contract import SCORE_START_KEY
+from replicas.vllm_plugin.contract import DETOKENIZE_KEY, SCORE_START_KEY
 from router import keys
 from router.admission import ReplicaGone
 from router.dispatch import Placement
@@ -114,8 +114,9 @@ async def _score_one(dispatcher, placement: Placement, req: ScoreRequest, contex
                      cap: ScoringCap, response: list[int], use_cap: bool) -> dict[str, Any]:
     body: dict[str, Any] = {"model": req.model or dispatcher.pool.model, "prompt": context + response,
                             "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": req.top_logprobs}
+    body["vllm_xargs"] = {DETOKENIZE_KEY: False}  # we read rows by token id; ignored without the plugin
     if use_cap:
-        body["vllm_xargs"] = {SCORE_START_KEY: cap.start}
+        body["vllm_xargs"][SCORE_START_KEY] = cap.start
     if placement.cache_salt is not None:
         body["cache_salt"] = placement.cache_salt
     rid = placement.replica_id

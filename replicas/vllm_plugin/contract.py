@@ -48,6 +48,18 @@ INVARIANT_ATTENTION_ENV = "ROLLOUT_ROUTER_INVARIANT_ATTENTION"
 """Replica environment variable; ``"1"`` turns on chunk-invariant CPU attention
 (:mod:`replicas.vllm_plugin.invariant_attention`), which makes capped rows bit-identical."""
 
+DETOKENIZE_KEY = "rollout_router_detokenize"
+"""``vllm_xargs`` key: ``false`` makes the plugin's front end skip detokenizing the request's
+prompt-logprob rows (``decoded_token`` comes back ``null``). Scoring callers read logprobs by
+token id; detokenizing ~1,000 rows per response was most of the API server's time. Any request
+may carry it, with or without S; a replica without the plugin ignores it."""
+
+
+def skips_detokenize(extra_args: Mapping[str, Any] | None) -> bool:
+    """Whether a request asked for prompt-logprob rows without decoded tokens."""
+    return bool(extra_args) and extra_args.get(DETOKENIZE_KEY) in (False, 0, "false")
+
+
 SCORE_START_FIELD = f"vllm_xargs.{SCORE_START_KEY}"
 """How validation errors name the field (the HTTP body path of the key)."""
 

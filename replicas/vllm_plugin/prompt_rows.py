@@ -8,14 +8,16 @@ detokenizer never sees a row that was not computed. The engine core normally sen
 ``S ..`` only (:mod:`.score_check`); a full N - 1-row buffer (e.g. from an engine that fell
 back) is cut the same way, so callers always get the same shape.
 
-Requests without S take vLLM's path unchanged.
+A request carrying ``vllm_xargs.rollout_router_detokenize: false`` (with or without S) gets its
+prompt-logprob rows without decoded tokens: the processor's tokenizer is dropped, as vLLM does
+for ``SamplingParams.detokenize=False``. Requests with neither take vLLM's path unchanged.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
-from replicas.vllm_plugin.contract import ScoreStartError, score_start_of, validate_score_start
+from replicas.vllm_plugin.contract import ScoreStartError, score_start_of, skips_detokenize, validate_score_start
 from replicas.vllm_plugin.patching import wrap
 
 SCORE_START_ATTR = "_rollout_router_score_start"
@@ -31,6 +33,9 @@ def install() -> None:
 
 def _make_from_new_request(original: Callable) -> Callable:
     def from_new_request(cls, tokenizer, request):
+        params = request.sampling_params
+        if params is not None and params.prompt_logprobs is not None and skips_detokenize(params.extra_args):
+            tokenizer = None  # rows keep ids, logprobs and ranks; decoded_token is None
         processor = original(cls, tokenizer, request)
         score_start = _valid_score_start(request)
         if score_start is not None and processor.prompt_logprobs is not None:

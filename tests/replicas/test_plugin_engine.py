@@ -227,3 +227,22 @@ def test_without_the_plugin_s_is_ignored_and_reads_stay_off(disabled_server):
         entries = result.choice["prompt_logprobs"]
         assert entries[0] is None and all(e is not None for e in entries[1:])  # no rows nulled
         assert entries[p:] == want
+
+
+@pytest.mark.parametrize("with_s", [True, False])
+def test_detokenize_false_drops_decoded_tokens_only(capped_server, with_s):
+    """``rollout_router_detokenize: false`` (what the router sends) keeps every id, logprob and
+    rank and only leaves ``decoded_token`` null, with or without S."""
+    p = ALIGNED_P
+    _, prompts = scoring_batch(seed=90 + with_s, p=p, lengths=(50,))
+    ids = prompts[0]
+    (want,) = reference_rows(capped_server, prompts, p, logprobs=2)
+    assert all(e["decoded_token"] is not None for row in want for e in row.values())
+    capped_server.reset_prefix_cache()
+    got = capped_server.score(ids, p - 1 if with_s else None, logprobs=2,
+                              xargs={"rollout_router_detokenize": False})
+    assert got.status == 200, got.body
+    rows = got.choice["prompt_logprobs"][p:]
+    assert all(e["decoded_token"] is None for row in rows for e in row.values())
+    strip = [{t: (e["logprob"], e["rank"]) for t, e in row.items()} for row in want]
+    assert [{t: (e["logprob"], e["rank"]) for t, e in row.items()} for row in rows] == strip
