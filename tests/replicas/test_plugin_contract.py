@@ -78,3 +78,11 @@ def test_rows_align_to_absolute_entries(num_rows, s, incoming, drop, pad):
 
 def test_later_pieces_are_appended_unchanged():
     assert rows_to_drop_and_pad(2099, 1999, 100, 20) == (0, 0)
+
+
+def test_detokenize_flag_is_read_only_when_false():
+    from replicas.vllm_plugin.contract import DETOKENIZE_KEY, skips_detokenize
+
+    assert skips_detokenize({DETOKENIZE_KEY: False}) and skips_detokenize({DETOKENIZE_KEY: 0})
+    assert not skips_detokenize({DETOKENIZE_KEY: True}) and not skips_detokenize({DETOKENIZE_KEY: 1})
+    assert not skips_detokenize(None) and not skips_detokenize({}) and not skips_detokenize({"other": False})
