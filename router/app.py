@@ -18,7 +18,7 @@ from router.admission import AdmissionController
 from router.config import AppConfig
 from router.dispatch import Dispatcher
 from router.errors import error_middleware
-from router.metrics import RouterMetrics
+from router.metrics import RouterMetrics, metrics_middleware
 from router.pool import ReplicaPool
 from router.scrape import scrape_once
 from router.shared_state import make_state
@@ -28,10 +28,12 @@ from router.versions import WeightVersions
 
 def create_app(cfg: AppConfig, endpoints: Sequence[ReplicaEndpoint], tokenizer: PromptTokenizer) -> web.Application:
     """Build the router app for ``endpoints``. ``tokenizer`` must be the replicas' model's."""
-    app = web.Application(middlewares=[error_middleware], client_max_size=64 * 1024 * 1024)
+    metrics = RouterMetrics()
+    app = web.Application(middlewares=[metrics_middleware(metrics), error_middleware],
+                          client_max_size=64 * 1024 * 1024)
     app[keys.CONFIG] = cfg
     app[keys.POOL] = ReplicaPool(endpoints)
-    app[keys.METRICS] = RouterMetrics()
+    app[keys.METRICS] = metrics
     app[keys.TOKENIZER] = tokenizer
     app[keys.VERSIONS] = WeightVersions(app[keys.POOL], cfg.router.weight_update_policy,
                                         cfg.router.initial_weight_version, cfg.policy)

@@ -25,7 +25,7 @@ from cache_policy.policy import Policy
 from cache_policy.types import Decision, ReplicaId, RequestView
 from router.admission import AdmissionController, ReplicaGone, Ticket
 from router.config import RouterConfig
-from router.errors import NoReplica, UpstreamError
+from router.errors import NoReplica, UpstreamError, with_router_param
 from router.metrics import RouterMetrics
 from router.parse import ParsedRequest, RoutingKeys
 from router.pool import ReplicaPool
@@ -205,24 +205,20 @@ class Dispatcher:
         """Route and proxy a completion or chat request; the response names the replica."""
         choice = self.salt_for(parsed.keys) if cache_salt is None else SaltChoice(cache_salt, None, None)
         view = self.request_view(token_ids, parsed.keys, choice.salt)
-        started = time.perf_counter()
 
         async def attempt(placement: Placement) -> web.StreamResponse:
             body = self._upstream_body(parsed, token_ids, placement)
             url = placement.base_url + UPSTREAM_PATH[parsed.endpoint]
-            self._count_prompt(placement, len(token_ids))
             if parsed.stream:
-                return await relay_stream(client, self.http, url, body, placement.headers())
-            result = await post_json(self.http, url, body)
-            return self._json_response(result, placement, parsed.keys.weight_version)
+                resp = await relay_stream(client, self.http, url, body, placement.headers())
+            else:
+                resp = self._json_response(await post_json(self.http, url, body), placement,
+                                           parsed.keys.weight_version, parsed.endpoint)
+            if resp.status == 200:  # prompts a replica refused were never prefilled
+                self._count_prompt(placement, len(token_ids))
+            return resp
 
-        try:
-            resp = await self.run(view, choice.salt, attempt, choice=choice,
-                                  new_tokens=self._new_tokens(parsed.body))
-        finally:
-            self.metrics.latency.labels(parsed.endpoint).observe(time.perf_counter() - started)
-        self.metrics.requests.labels(parsed.endpoint, str(resp.status)).inc()
-        return resp
+        return await self.run(view, choice.salt, attempt, choice=choice, new_tokens=self._new_tokens(parsed.body))
 
     def _new_tokens(self, body: dict[str, Any]) -> int:
         """Tokens the request may generate (all its samples), for admission."""
@@ -244,7 +240,8 @@ class Dispatcher:
         self.metrics.prompt_tokens.labels(rid).inc(num_tokens)
         self.metrics.predicted_cached.labels(rid).inc(placement.expected_cached_tokens)
 
-    def _json_response(self, result, placement: Placement, weight_version: int | None) -> web.Response:
+    def _json_response(self, result, placement: Placement, weight_version: int | None,
+                       endpoint: str) -> web.Response:
         payload = result.payload
         if result.status == 200 and isinstance(payload, dict):
             payload["rollout_router"] = placement.annotation(weight_version, self.weight_versions(placement))
@@ -253,5 +250,8 @@ class Dispatcher:
                 self.metrics.reported_cached.labels(placement.replica_id).inc(cached)
             return web.Response(text=json.dumps(payload), status=200, content_type="application/json",
                                 headers=placement.headers())
+        if 400 <= result.status < 500 and isinstance(payload, dict):  # name the field as our API does
+            return web.Response(text=json.dumps(with_router_param(payload, endpoint)), status=result.status,
+                                content_type="application/json", headers=placement.headers())
         return web.Response(body=result.raw, status=result.status, content_type="application/json",
                             headers=placement.headers())

@@ -60,6 +60,25 @@ class UpstreamError(RouterError):
     type = "upstream_error"
 
 
+REPLICA_PARAMS = {"input_tokens": {"completions": "prompt", "chat": "messages", "score": "context"},
+                  "body.model": {"completions": "model", "chat": "model", "score": "model"}}
+"""vLLM's names for fields (``error.param`` in its 4xx answers) -> this router's request fields."""
+
+
+def router_param(param: object, endpoint: str) -> object:
+    """The field of *our* request that a replica's ``error.param`` refers to, for ``endpoint``
+    (``"completions"``, ``"chat"``, ``"score"``); unknown names pass through unchanged."""
+    return REPLICA_PARAMS.get(param, {}).get(endpoint, param) if isinstance(param, str) else param
+
+
+def with_router_param(payload: dict, endpoint: str) -> dict:
+    """A replica's JSON error answer with ``error.param`` renamed by :func:`router_param`."""
+    error = payload.get("error")
+    if isinstance(error, dict) and "param" in error:
+        payload = {**payload, "error": {**error, "param": router_param(error["param"], endpoint)}}
+    return payload
+
+
 def error_response(status: int, message: str, *, type_: str, param: str | None = None,
                    headers: dict[str, str] | None = None) -> web.Response:
     body = {"error": {"message": message, "type": type_, "param": param, "code": status}}

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -41,3 +44,33 @@ class RouterMetrics:
         resp = web.Response(body=generate_latest(self.registry))
         resp.content_type = CONTENT_TYPE_LATEST.split(";")[0]
         return resp
+
+
+ENDPOINT_PATHS = {"/v1/completions": "completions", "/v1/chat/completions": "chat", "/v1/score": "score"}
+"""Request paths counted in ``rollout_router_requests_total`` / ``_request_seconds``, by label."""
+
+
+def metrics_middleware(metrics: RouterMetrics):
+    """Count every request to :data:`ENDPOINT_PATHS` by endpoint and final HTTP status, the
+    router's own 4xx included, and observe its latency. Must sit outside ``error_middleware`` so
+    errors arrive as responses; a client that goes away counts as 499, anything unhandled as 500."""
+
+    @web.middleware
+    async def count(request: web.Request, handler):
+        endpoint = ENDPOINT_PATHS.get(request.path)
+        if endpoint is None:
+            return await handler(request)
+        started = time.perf_counter()
+        status = "500"
+        try:
+            resp = await handler(request)
+            status = str(resp.status)
+            return resp
+        except asyncio.CancelledError:
+            status = "499"
+            raise
+        finally:
+            metrics.latency.labels(endpoint).observe(time.perf_counter() - started)
+            metrics.requests.labels(endpoint, status).inc()
+
+    return count

@@ -58,14 +58,15 @@ def load_json_object(raw: bytes) -> dict[str, Any]:
 def _routing_keys(body: dict[str, Any], headers: Mapping[str, str]) -> RoutingKeys:
     values: dict[str, Any] = {}
     for name in ROUTING_FIELDS:
-        value = body.pop(name, None)
-        if value is None:
-            value = headers.get(HEADER_FOR[name])
-        values[name] = value
+        value, header = body.pop(name, None), headers.get(HEADER_FOR[name])
+        if value is not None and header is not None and str(value) != header:
+            raise BadRequest(f"'{name}' is {value!r} in the body but {header!r} in header {HEADER_FOR[name]}; "
+                             "send it once", param=name)
+        values[name] = header if value is None else value
     for name in ("session_id", "group_id"):
         value = values[name]
         if value is not None and not isinstance(value, (str, int)) or isinstance(value, bool):
-            raise BadRequest(f"'{name}' must be a string", param=name)
+            raise BadRequest(f"'{name}' must be a string or an integer", param=name)
         values[name] = None if value is None else str(value)
     version = values["weight_version"]
     if version is not None:

@@ -36,7 +36,7 @@ from replicas.vllm_plugin.contract import DETOKENIZE_KEY, SCORE_START_KEY
 from router import keys
 from router.admission import ReplicaGone
 from router.dispatch import Placement
-from router.errors import BadRequest, RouterError, UpstreamError
+from router.errors import BadRequest, RouterError, UpstreamError, router_param
 from router.parse import RoutingKeys, _is_token_ids, _routing_keys, _validate_messages, load_json_object
 from router.proxy import ReplicaUnreachable, post_json
 
@@ -136,7 +136,8 @@ def _replica_rejection(result) -> RouterError:
     """A replica's 4xx as our error: its status, and its ``param`` when it names one."""
     error = result.payload.get("error", {}) if isinstance(result.payload, dict) else {}
     message = error.get("message") or result.raw[:200].decode("utf-8", "replace")
-    exc = RouterError(f"replica rejected the scoring request: {message}", param=error.get("param") or "responses")
+    exc = RouterError(f"replica rejected the scoring request: {message}",
+                      param=router_param(error.get("param"), "score") or "responses")
     exc.status, exc.type = result.status, "invalid_request_error"
     return exc
 
@@ -191,7 +192,6 @@ async def score(request: web.Request) -> web.Response:
         finally:
             dispatcher.release(ticket)
             dispatcher.policy.on_finished(view, placement.replica_id)
-    dispatcher.metrics.requests.labels("score", "200").inc()
     return web.json_response({
         "replica": placement.replica_id, "context_tokens": len(context), "score_start": caps[0].start,
         "scoring_cap": use_cap,

@@ -21,6 +21,28 @@ def test_routing_keys_from_headers():
     assert (parsed.keys.session_id, parsed.keys.group_id, parsed.keys.weight_version) == ("abc", "g", 2)
 
 
+def test_a_routing_key_sent_twice_must_agree():
+    same = parse_completion({"prompt": "hi", "session_id": 5}, {"X-Session-Id": "5"})
+    assert same.keys.session_id == "5"
+    with pytest.raises(BadRequest, match="X-Session-Id") as err:
+        parse_completion({"prompt": "hi", "session_id": "b"}, {"X-Session-Id": "a"})
+    assert err.value.param == "session_id"
+    with pytest.raises(BadRequest) as err:
+        parse_completion({"prompt": "hi", "weight_version": 2}, {"X-Weight-Version": "3"})
+    assert err.value.param == "weight_version"
+
+
+def test_replica_field_names_become_ours():
+    from router.errors import router_param, with_router_param
+
+    assert router_param("input_tokens", "score") == "context" and router_param("input_tokens", "chat") == "messages"
+    assert router_param("body.model", "completions") == "model" and router_param("temperature", "chat") == "temperature"
+    assert router_param(None, "score") is None
+    answer = {"error": {"message": "too long", "param": "input_tokens", "code": 400}}
+    assert with_router_param(answer, "completions")["error"] == {"message": "too long", "param": "prompt", "code": 400}
+    assert answer["error"]["param"] == "input_tokens"  # not mutated
+
+
 def test_single_element_prompt_list_is_unwrapped():
     assert parse_completion({"prompt": [[5, 6]]}, {}).prompt == [5, 6]
     assert parse_completion({"prompt": ["text"]}, {}).prompt == "text"
