@@ -7,6 +7,7 @@ Flags are generated from the config dataclasses, so every default is written onc
 from __future__ import annotations
 
 import argparse
+import re
 import asyncio
 import dataclasses
 import logging
@@ -73,8 +74,12 @@ def _doc(cls: type, name: str) -> str:
                 parts.append(doc_line.strip().strip('"').strip())
                 if doc_line.rstrip().endswith('"""') and (len(parts) > 1 or doc_line.strip().count('"""') == 2):
                     break
-            return " ".join(p for p in parts if p) + " "
+            return _SOURCE_REF.sub("", " ".join(p for p in parts if p)) + " "
     return ""
+
+
+_SOURCE_REF = re.compile(r" \((?:DESIGN rule \d+|seed \d+[^)]*)\)")
+"""Spec references such as " (DESIGN rule 3)" or " (seed 003)": kept in docstrings, left out of --help."""
 
 
 def dataclass_overrides(args: argparse.Namespace, cls: type, prefix: str = "") -> dict[str, Any]:

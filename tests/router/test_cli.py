@@ -31,3 +31,13 @@ def test_config_errors_exit_2(capsys):
         port = s.getsockname()[1]
         assert main(["serve", "--port", str(port)]) == 2
     assert f"router.port {port}" in capsys.readouterr().err
+
+
+def test_help_leaves_spec_references_out():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "router.cli", "serve", "--help"], capture_output=True, text=True,
+                         check=True).stdout
+    assert "Admission control: hold requests" in out and "Cache policy at weight updates:" in out
+    assert "DESIGN rule" not in out and "(seed 0" not in out
