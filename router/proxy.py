@@ -45,6 +45,11 @@ async def post_json(http: aiohttp.ClientSession, url: str, body: dict[str, Any])
         raise ReplicaUnreachable(f"{url}: {exc!r}") from exc
     except asyncio.TimeoutError as exc:
         raise UpstreamError(f"replica timed out on {url}") from exc
+    return upstream_result(status, raw)
+
+
+def upstream_result(status: int, raw: bytes) -> UpstreamResult:
+    """An upstream answer's status and body, with the body decoded if it is JSON."""
     try:
         payload = json.loads(raw) if raw else None
     except (UnicodeDecodeError, json.JSONDecodeError):

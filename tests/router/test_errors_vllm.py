@@ -30,6 +30,8 @@ async def test_a_prompt_over_the_model_length_names_the_prompt(router):
     too_long = unique_prompt(60, 16390)  # max_model_len is 16,384
     status, body = await _post(router, "/v1/completions", {"prompt": too_long, "max_tokens": 1})
     assert status == 400 and body["error"]["param"] == "prompt", body
+    status, body = await _post(router, "/v1/completions", {"prompt": too_long, "max_tokens": 1, "stream": True})
+    assert status == 400 and body["error"]["param"] == "prompt", body  # refused before streaming starts
     status, body = await _post(router, "/v1/score", {"context": too_long, "responses": [[5, 6]]})
     assert status == 400 and body["error"]["param"] == "context", body
 
