@@ -36,7 +36,7 @@ import aiohttp
 from rich.console import Console
 from rich.table import Table
 
-from cache_policy.scoring import PrefillCost, ideal_computed_tokens, speedup_bound
+from cache_policy.scoring import TOKEN_COST, PrefillCost, ideal_computed_tokens, reuse_costs
 from replicas.ops import reset_prefix_cache
 from replicas.replica_set import ReplicaEndpoint, ReplicaSet
 from replicas.server import resolve_model
@@ -139,11 +139,9 @@ async def run_shape(http, urls: dict[str, str], ep: ReplicaEndpoint, shape: Shap
         res.uncached_tokens += sum(r["prompt_tokens"] - r["cached_tokens"] for r in off["results"])
         res.computed_tokens += sum(r["prompt_tokens"] - r["cached_tokens"] for r in on["results"])
         res.ideal_tokens += ideal_computed_tokens(len(context), lens, ep.block_size)
-        p = len(context)
-        res.bound_num += sum(p + n for n in lens)
-        res.bound_den += sum(p + n for n in lens) / speedup_bound(p, lens)
-        res.flop_num += sum(cost.rows(0, p + n) for n in lens)
-        res.flop_den += cost.rows(0, p + lens[0]) + sum(cost.rows(p, p + n) for n in lens[1:])
+        tokens, flops = reuse_costs(len(context), lens, TOKEN_COST), reuse_costs(len(context), lens, cost)
+        res.bound_num, res.bound_den = res.bound_num + tokens[0], res.bound_den + tokens[1]
+        res.flop_num, res.flop_den = res.flop_num + flops[0], res.flop_den + flops[1]
         res.max_abs_diff = max([res.max_abs_diff] + [abs(a - b) for x, y in zip(off["results"], on["results"])
                                                      for a, b in zip(x["logprobs"], y["logprobs"])])
     return res

@@ -151,13 +151,24 @@ class PrefillCost:
         return (end - start) * self.linear_flops + keys * self.attention_flops_per_key
 
 
-def flop_weighted_bound(context_len: int, response_lens: Sequence[int], cost: PrefillCost) -> float:
-    """:func:`speedup_bound` with rows weighted by :class:`PrefillCost`: uncached, request k
-    computes rows ``0 .. P + R_k - 1``; with perfect reuse, request 0 does too and every other
-    request computes only its response rows ``P .. P + R_k - 1``. Equals the token bound when
-    ``attention_flops_per_key`` is 0."""
+TOKEN_COST = PrefillCost(linear_flops=1.0, attention_flops_per_key=0.0)
+"""Every row costs 1: :func:`reuse_costs` then counts tokens (the :func:`speedup_bound` model)."""
+
+
+def reuse_costs(context_len: int, response_lens: Sequence[int], cost: PrefillCost) -> tuple[float, float]:
+    """``(uncached, reused)`` cost of one group: uncached, request k computes rows
+    ``0 .. P + R_k - 1``; with perfect reuse, request 0 does too and every other request computes
+    only its response rows ``P .. P + R_k - 1``. With :data:`TOKEN_COST` these are
+    ``sum_k (P + R_k)`` and ``P + sum_k R_k``."""
     _check_group(context_len, response_lens)
     uncached = sum(cost.rows(0, context_len + r) for r in response_lens)
     reused = cost.rows(0, context_len + response_lens[0]) + sum(
         cost.rows(context_len, context_len + r) for r in response_lens[1:])
+    return uncached, reused
+
+
+def flop_weighted_bound(context_len: int, response_lens: Sequence[int], cost: PrefillCost) -> float:
+    """:func:`speedup_bound` with rows weighted by :class:`PrefillCost` (:func:`reuse_costs`).
+    Equals the token bound when ``attention_flops_per_key`` is 0."""
+    uncached, reused = reuse_costs(context_len, response_lens, cost)
     return uncached / reused

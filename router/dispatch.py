@@ -30,7 +30,7 @@ from router.metrics import RouterMetrics
 from router.parse import ParsedRequest, RoutingKeys
 from router.pool import ReplicaPool
 from router.shared_state import SharedState, adopt_shared_pins, publish_pins
-from router.proxy import ReplicaUnreachable, post_json, relay_stream, upstream_result
+from router.proxy import ReplicaUnreachable, UpstreamResult, post_json, relay_stream
 from router.versions import SaltChoice, WeightVersions
 
 log = logging.getLogger(__name__)
@@ -211,12 +211,10 @@ class Dispatcher:
             url = placement.base_url + UPSTREAM_PATH[parsed.endpoint]
             if parsed.stream:
                 resp = await relay_stream(client, self.http, url, body, placement.headers())
-                if 400 <= resp.status < 500 and isinstance(resp, web.Response):  # refused before streaming
-                    resp = self._json_response(upstream_result(resp.status, resp.body), placement,
-                                               parsed.keys.weight_version, parsed.endpoint)
             else:
-                resp = self._json_response(await post_json(self.http, url, body), placement,
-                                           parsed.keys.weight_version, parsed.endpoint)
+                resp = await post_json(self.http, url, body)
+            if isinstance(resp, UpstreamResult):  # a whole answer: a JSON body, or refused before streaming
+                resp = self._json_response(resp, placement, parsed.keys.weight_version, parsed.endpoint)
             if resp.status == 200:  # prompts a replica refused were never prefilled
                 self._count_prompt(placement, len(token_ids))
             return resp

@@ -58,11 +58,12 @@ def upstream_result(status: int, raw: bytes) -> UpstreamResult:
 
 
 async def relay_stream(client: web.Request, http: aiohttp.ClientSession, url: str, body: dict[str, Any],
-                       headers: dict[str, str]) -> web.StreamResponse:
+                       headers: dict[str, str]) -> web.StreamResponse | UpstreamResult:
     """POST a streaming request and relay the server-sent events to ``client`` as they come.
 
-    An upstream error status before streaming starts is returned as is (JSON). Raises
-    ReplicaUnreachable when the replica cannot be reached before the first byte.
+    An upstream error status before streaming starts comes back as an :class:`UpstreamResult`
+    (nothing sent to ``client``), for the caller to answer as it answers a non-streamed one.
+    Raises ReplicaUnreachable when the replica cannot be reached before the first byte.
     """
     try:
         up = await http.post(url, json=body)
@@ -70,8 +71,7 @@ async def relay_stream(client: web.Request, http: aiohttp.ClientSession, url: st
         raise ReplicaUnreachable(f"{url}: {exc!r}") from exc
     try:
         if up.status != 200:
-            raw = await up.read()
-            return web.Response(status=up.status, body=raw, content_type="application/json", headers=headers)
+            return upstream_result(up.status, await up.read())
         resp = web.StreamResponse(status=200, headers={**headers, "Cache-Control": "no-cache"})
         resp.content_type = "text/event-stream"
         await resp.prepare(client)

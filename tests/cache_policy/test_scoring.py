@@ -99,3 +99,12 @@ def test_flop_weighted_bound_is_the_token_bound_without_attention_and_below_it_w
                / (heavy.rows(0, 175 + lens[0]) + sum(heavy.rows(175, 175 + r) for r in lens[1:])))
     assert flop_weighted_bound(175, lens, heavy) == pytest.approx(by_hand)
     assert 1.0 < flop_weighted_bound(175, lens, heavy) < speedup_bound(175, lens)
+
+
+def test_reuse_costs_in_tokens_are_the_token_bounds_terms():
+    from cache_policy.scoring import TOKEN_COST, reuse_costs
+
+    lens = [13, 58, 30, 41]
+    assert reuse_costs(3500, lens, TOKEN_COST) == (sum(3500 + r for r in lens), 3500 + sum(lens))
+    uncached, reused = reuse_costs(3500, lens, TOKEN_COST)
+    assert uncached / reused == pytest.approx(speedup_bound(3500, lens))
