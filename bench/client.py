@@ -28,25 +28,38 @@ class RequestRecord:
     expected_cached_tokens: int
     latency_s: float
     key: str
+    retries: int = 0
+    """429 answers retried before this request was admitted (``retry_cap_s`` set)."""
 
 
 async def complete(http: aiohttp.ClientSession, url: str, prompt: list[int], max_tokens: int,
-                   headers: dict[str, str], workload: str, key: str) -> tuple[RequestRecord, list[int]]:
-    """One non-streamed /v1/completions call with a token-ID prompt; returns record and reply ids."""
+                   headers: dict[str, str], workload: str, key: str,
+                   retry_cap_s: float | None = None) -> tuple[RequestRecord, list[int]]:
+    """One non-streamed /v1/completions call with a token-ID prompt; returns record and reply ids.
+
+    With ``retry_cap_s`` a 429 is retried after its ``Retry-After`` (at most ``retry_cap_s``
+    seconds); the latency then counts from the first attempt. Any other non-200 raises."""
     body: dict[str, Any] = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 1.0,
                             "return_token_ids": True, "ignore_eos": True}
-    started = time.perf_counter()
-    async with http.post(url + "/v1/completions", json=body, headers=headers) as r:
-        payload = await r.json(content_type=None)
-        if r.status != 200:
-            raise RuntimeError(f"{workload} request failed with {r.status}: {payload}")
+    started, retries = time.perf_counter(), 0
+    while True:
+        async with http.post(url + "/v1/completions", json=body, headers=headers) as r:
+            payload = await r.json(content_type=None)
+            if r.status == 429 and retry_cap_s is not None:
+                retries += 1
+                await asyncio.sleep(min(float(r.headers.get("Retry-After", "1")), retry_cap_s))
+                continue
+            if r.status != 200:
+                raise RuntimeError(f"{workload} request failed with {r.status}: {payload}")
+            break
     latency = time.perf_counter() - started
     usage = payload.get("usage") or {}
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
     router = payload.get("rollout_router") or {}
     reply = payload["choices"][0].get("token_ids") or []
     record = RequestRecord(workload, r.headers.get("X-Rollout-Replica", router.get("replica", "?")),
-                           len(prompt), int(cached), int(router.get("expected_cached_tokens", 0)), latency, key)
+                           len(prompt), int(cached), int(router.get("expected_cached_tokens", 0)), latency, key,
+                           retries)
     return record, reply
 
 

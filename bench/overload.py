@@ -29,6 +29,7 @@ from pathlib import Path
 
 import aiohttp
 
+from bench.client import complete
 from bench.workloads import random_tokens
 from replicas.config import ReplicaSetConfig
 from replicas.metrics import VllmMetrics, delta
@@ -98,31 +99,16 @@ class _Client:
     async def session(self, s: int) -> None:
         rng = random.Random(self.w.seed * 1000 + s)
         prompt = random_tokens(rng, self.w.first_prompt_tokens, self.vocab)
+        headers = {"X-Session-Id": f"overload-{self.w.seed}-{s}"}
         previous = 0
         for turn in range(self.w.turns):
-            reply, cached, latency, retries = await self._complete(prompt, f"overload-{self.w.seed}-{s}")
-            self.turns.append(_Turn(s, turn, latency, cached, previous, retries))
+            rec, reply = await complete(self.http, self.url, prompt, self.w.reply_tokens, headers, "overload",
+                                        f"s{s}", retry_cap_s=self.w.retry_cap_s)
+            self.rejected += rec.retries
+            self.turns.append(_Turn(s, turn, rec.latency_s, rec.cached_tokens, previous, rec.retries))
             previous = len(prompt)
             prompt = prompt + reply + random_tokens(rng, self.w.observation_tokens, self.vocab)
             await asyncio.sleep(self.w.think_s)
-
-    async def _complete(self, prompt: list[int], sid: str) -> tuple[list[int], int, float, int]:
-        body = {"prompt": prompt, "max_tokens": self.w.reply_tokens, "ignore_eos": True,
-                "return_token_ids": True, "temperature": 1.0}
-        started, retries = time.perf_counter(), 0
-        while True:
-            async with self.http.post(self.url + "/v1/completions", json=body, headers={"X-Session-Id": sid}) as r:
-                payload = await r.json(content_type=None)
-                if r.status == 429:
-                    self.rejected += 1
-                    retries += 1
-                    wait = min(float(r.headers.get("Retry-After", "1")), self.w.retry_cap_s)
-                    await asyncio.sleep(wait)
-                    continue
-                if r.status != 200:
-                    raise RuntimeError(f"overload request failed with {r.status}: {payload}")
-            cached = ((payload.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-            return payload["choices"][0]["token_ids"], int(cached), time.perf_counter() - started, retries
 
     def reprefills(self) -> int:
         """Continuing turns that found less cached than the previous turn's full blocks."""
