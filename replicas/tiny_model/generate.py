@@ -49,13 +49,12 @@ class TinyModelSpec:
                    num_attention_heads=heads, num_key_value_heads=heads)
 
 
-def default_model_dir(seed: int = 0, spec: "TinyModelSpec | None" = None) -> Path:
+def default_model_dir(spec: "TinyModelSpec" = TinyModelSpec()) -> Path:
     """``$ROLLOUT_ROUTER_CACHE/models/tiny-llama-seed{seed}`` (default cache ``~/.cache/rollout-router``);
-    a non-default shape gets ``tiny-llama-h{hidden}-seed{seed}``."""
+    a non-default width (:meth:`TinyModelSpec.wide`) gets ``tiny-llama-h{hidden}-seed{seed}``."""
     root = Path(os.environ.get("ROLLOUT_ROUTER_CACHE", Path.home() / ".cache" / "rollout-router"))
-    if spec is not None and spec.hidden_size != TinyModelSpec.hidden_size:
-        return root / "models" / f"tiny-llama-h{spec.hidden_size}-seed{spec.seed}"
-    return root / "models" / f"tiny-llama-seed{seed if spec is None else spec.seed}"
+    width = "" if spec.hidden_size == TinyModelSpec.hidden_size else f"-h{spec.hidden_size}"
+    return root / "models" / f"tiny-llama{width}-seed{spec.seed}"
 
 
 def _train_tokenizer(spec: TinyModelSpec):
@@ -122,7 +121,7 @@ def ensure_tiny_model(out_dir: Path | None = None, spec: TinyModelSpec = TinyMod
 
     Raises ``OSError`` if the folder cannot be written.
     """
-    out = Path(out_dir) if out_dir is not None else default_model_dir(spec.seed, spec)
+    out = Path(out_dir) if out_dir is not None else default_model_dir(spec)
     want = asdict(spec)
     marker = out / SPEC_FILE
     if marker.exists() and json.loads(marker.read_text()) == want:

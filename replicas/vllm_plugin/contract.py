@@ -49,8 +49,9 @@ INVARIANT_ATTENTION_ENV = "ROLLOUT_ROUTER_INVARIANT_ATTENTION"
 (:mod:`replicas.vllm_plugin.invariant_attention`), which makes capped rows bit-identical."""
 
 DETOKENIZE_KEY = "rollout_router_detokenize"
-"""``vllm_xargs`` key: ``false`` makes the plugin's front end skip detokenizing the request's
-prompt-logprob rows (``decoded_token`` comes back ``null``). Scoring callers read logprobs by
+"""``vllm_xargs`` key: ``false`` (with ``prompt_logprobs`` set) makes the plugin's front end skip
+detokenizing the request's logprob entries, prompt rows and any sampled-token logprobs alike
+(``decoded_token`` comes back ``null``; the generated text is unaffected). Scoring callers read logprobs by
 token id; detokenizing ~1,000 rows per response was most of the API server's time. Any request
 may carry it, with or without S; a replica without the plugin ignores it."""
 
