@@ -135,10 +135,11 @@ class PrefillCost:
 
     @classmethod
     def llama(cls, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int,
-              vocab: int) -> "PrefillCost":
-        """From a Llama ``config.json``'s sizes (2 FLOPs per multiply-add)."""
-        head_dim = hidden // heads
-        projections = 2 * hidden * hidden + 2 * hidden * kv_heads * head_dim  # Q, O and K, V
+              vocab: int, head_dim: int | None = None) -> "PrefillCost":
+        """From a Llama ``config.json``'s sizes (2 FLOPs per multiply-add); ``head_dim``
+        defaults to ``hidden // heads``, as in Hugging Face's ``LlamaConfig``."""
+        head_dim = head_dim or hidden // heads
+        projections = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim  # Q, O and K, V
         per_layer = 2 * (projections + 3 * hidden * intermediate)  # gate, up, down
         return cls(linear_flops=layers * per_layer + 2 * hidden * vocab,
                    attention_flops_per_key=layers * 4 * heads * head_dim)

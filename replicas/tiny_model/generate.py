@@ -36,6 +36,8 @@ class TinyModelSpec:
     num_attention_heads: int = 2
     num_key_value_heads: int = 2
     max_position_embeddings: int = 16384
+    head_dim: int | None = None
+    """Per-head width; ``None`` is Hugging Face's default, ``hidden_size // num_attention_heads``."""
 
     @classmethod
     def wide(cls, hidden_size: int, seed: int = 0) -> "TinyModelSpec":
@@ -48,13 +50,41 @@ class TinyModelSpec:
         return cls(seed=seed, hidden_size=hidden_size, intermediate_size=hidden_size * 11 // 4,
                    num_attention_heads=heads, num_key_value_heads=heads)
 
+    @classmethod
+    def teacher_shaped(cls, seed: int = 0) -> "TinyModelSpec":
+        """A benchmark model whose attention-to-linear cost ratio is a production teacher's.
+
+        Per layer and prompt row, attention costs ``4 * heads * head_dim`` FLOPs per attended key
+        and the linear layers cost about ``2 * parameters`` FLOPs. For Qwen3-32B (the seed 000
+        teacher: 64 layers, 64 heads of 128, 32B parameters) that ratio is 2.1 MFLOP / 64 GFLOP,
+        about 3.3e-5 per key; for this spec (hidden 512, one 64-wide head, MLP 2048, 2 layers)
+        it is 256 / 6.6 MFLOP, about 3.9e-5. So on the seed's shapes attention takes about the
+        share of a prefill it takes on the real teacher (a few percent at 3,500 keys), where the
+        128-wide default spends most of its time in attention. 14 MFLOP per row: the 512-wide
+        :meth:`wide` model's cost."""
+        return cls(seed=seed, hidden_size=512, intermediate_size=2048, num_attention_heads=1,
+                   num_key_value_heads=1, head_dim=64)
+
+
+_SHAPE_TAGS = {"hidden_size": "h", "intermediate_size": "i", "num_hidden_layers": "l",
+               "num_attention_heads": "a", "num_key_value_heads": "kv", "head_dim": "d", "vocab_size": "v"}
+
 
 def default_model_dir(spec: "TinyModelSpec" = TinyModelSpec()) -> Path:
-    """``$ROLLOUT_ROUTER_CACHE/models/tiny-llama-seed{seed}`` (default cache ``~/.cache/rollout-router``);
-    a non-default width (:meth:`TinyModelSpec.wide`) gets ``tiny-llama-h{hidden}-seed{seed}``."""
+    """``$ROLLOUT_ROUTER_CACHE/models/tiny-llama-seed{seed}`` (default cache ``~/.cache/rollout-router``).
+    Sizes that differ from the default spec are named in the folder, e.g.
+    ``tiny-llama-h512-i1408-a8-kv8-seed0`` for :meth:`TinyModelSpec.wide` ``(512)``."""
     root = Path(os.environ.get("ROLLOUT_ROUTER_CACHE", Path.home() / ".cache" / "rollout-router"))
-    width = "" if spec.hidden_size == TinyModelSpec.hidden_size else f"-h{spec.hidden_size}"
-    return root / "models" / f"tiny-llama{width}-seed{spec.seed}"
+    default = TinyModelSpec()
+    shape = "".join(f"-{tag}{getattr(spec, field)}" for field, tag in _SHAPE_TAGS.items()
+                    if getattr(spec, field) != getattr(default, field))
+    return root / "models" / f"tiny-llama{shape}-seed{spec.seed}"
+
+
+def _spec_record(spec: TinyModelSpec) -> dict:
+    """What ``rollout_router_spec.json`` holds: the spec's fields, unset optional ones left out
+    (so folders written before a field existed still match)."""
+    return {k: v for k, v in asdict(spec).items() if v is not None}
 
 
 def _train_tokenizer(spec: TinyModelSpec):
@@ -99,6 +129,7 @@ def _build_model(spec: TinyModelSpec, tokenizer):
         num_hidden_layers=spec.num_hidden_layers,
         num_attention_heads=spec.num_attention_heads,
         num_key_value_heads=spec.num_key_value_heads,
+        **({"head_dim": spec.head_dim} if spec.head_dim is not None else {}),
         max_position_embeddings=spec.max_position_embeddings,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -122,7 +153,7 @@ def ensure_tiny_model(out_dir: Path | None = None, spec: TinyModelSpec = TinyMod
     Raises ``OSError`` if the folder cannot be written.
     """
     out = Path(out_dir) if out_dir is not None else default_model_dir(spec)
-    want = asdict(spec)
+    want = _spec_record(spec)
     marker = out / SPEC_FILE
     if marker.exists() and json.loads(marker.read_text()) == want:
         return out

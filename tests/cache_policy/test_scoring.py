@@ -90,6 +90,14 @@ def test_llama_cost_counts_every_weight_matrix_twice():
     assert cost.attention_flops_per_key == 3 * 2 * 2 * (2 * 4)  # layers * (QK + PV) * 2 FLOPs * q dims
 
 
+def test_llama_cost_with_an_explicit_head_dim():
+    # hidden 8 but one head of 2 (Q/O project 8 -> 2), 1 KV head, MLP 16, 1 layer, vocab 10
+    cost = PrefillCost.llama(hidden=8, intermediate=16, layers=1, heads=1, kv_heads=1, vocab=10, head_dim=2)
+    q, k, v, o = 8 * 2, 8 * 2, 8 * 2, 2 * 8
+    assert cost.linear_flops == 2 * ((q + k + v + o + 3 * 8 * 16) + 8 * 10)
+    assert cost.attention_flops_per_key == 2 * 2 * 2
+
+
 def test_flop_weighted_bound_is_the_token_bound_without_attention_and_below_it_with():
     lens = [437, 600, 800, 1024]
     flat = PrefillCost(linear_flops=1.0, attention_flops_per_key=0.0)
