@@ -107,8 +107,9 @@ async def confirm_by_probe(
     probe = _Probe(http, base_url, timeout_s)
     before = [await probe.cached_tokens(), await probe.cached_tokens()]
     if before[-1] is None or before[-1] <= 0:
+        why = f"; {probe.last_error}" if probe.last_error else ""
         return ResetOutcome(False, f"no verdict from /reset_prefix_cache, and the probe prompt "
-                                   f"could not be made to hit the cache (cached tokens {before})", attempts)
+                                   f"could not be made to hit the cache (cached tokens {before}{why})", attempts)
     answer = await reset()
     after = await probe.cached_tokens()
     if answer.ok and after == 0:
@@ -124,6 +125,8 @@ class _Probe:
         self._http, self._base_url, self._timeout_s = http, base_url, timeout_s
         self._salt = f"rollout-router-reset-probe-{uuid.uuid4().hex}"
         self._model: str | None = None
+        self.last_error: str | None = None
+        """Why the last probe request gave no count (the answer, described), if it did not."""
 
     async def cached_tokens(self) -> int | None:
         """Cached prompt tokens of one probe request; None if the server does not say."""
@@ -132,9 +135,11 @@ class _Probe:
         answer = await call(self._http, "POST", f"{self._base_url}/v1/completions", body=body,
                             timeout_s=self._timeout_s)
         if not answer.ok or not isinstance(answer.body, dict):
+            self.last_error = f"probe request: {answer.describe()}"
             return None
         details = (answer.body.get("usage") or {}).get("prompt_tokens_details") or {}
         cached = details.get("cached_tokens")
+        self.last_error = None if cached is not None else "the answer has no usage.prompt_tokens_details.cached_tokens"
         return int(cached) if cached is not None else None
 
     async def _model_id(self) -> str | None:

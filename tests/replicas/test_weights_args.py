@@ -110,6 +110,28 @@ async def test_no_verdict_and_a_probe_that_cannot_hit_is_not_confirmed(http, ser
     url = await serve([web.post("/reset_prefix_cache", no_verdict), web.get("/is_paused", idle),
                        web.get("/v1/models", models), web.post("/v1/completions", complete)])
     assert not await reset_prefix_cache_confirmed(http, url, timeout_s=1)
+    outcome = await reset_prefix_cache_outcome(http, url, timeout_s=1)
+    assert not outcome.confirmed and "no usage.prompt_tokens_details.cached_tokens" in outcome.detail, outcome
+
+
+async def test_a_probe_request_that_fails_says_why(http, serve):
+    async def no_verdict(request):
+        return web.Response(status=200)
+
+    async def idle(request):
+        return web.json_response({"is_paused": False})
+
+    async def models(request):
+        return web.json_response({"data": [{"id": "m"}]})
+
+    async def overloaded(request):
+        return web.json_response({"error": {"message": "engine overloaded"}}, status=503)
+
+    url = await serve([web.post("/reset_prefix_cache", no_verdict), web.get("/is_paused", idle),
+                       web.get("/v1/models", models), web.post("/v1/completions", overloaded)])
+    outcome = await reset_prefix_cache_outcome(http, url, timeout_s=1)
+    assert not outcome.confirmed, outcome
+    assert "cached tokens [None, None]; probe request: HTTP 503: engine overloaded" in outcome.detail, outcome
 
 
 async def test_dev_mode_off_fails_fast(http, serve):

@@ -136,7 +136,9 @@ async def test_probe_confirms_a_real_reset_and_not_a_refused_one(http, base_url)
     for _ in range(3):  # conclusive only while the stream still holds its blocks
         async with LongStream(http, base_url, max_tokens=3000) as stream:
             await stream.wait_started()
-            outcome = await confirm_by_probe(http, base_url, reset)
+            # 30 s, not the 5 s default: on a loaded 2-core CI machine one probe beside the stream's
+            # decode steps once took longer (cached tokens [0, None])
+            outcome = await confirm_by_probe(http, base_url, reset, timeout_s=30)
             still_running = not stream.task.done()
         if still_running:
             break
