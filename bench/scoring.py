@@ -22,6 +22,7 @@ dearest ones, and no implementation reaches the token bound. The default ``--mod
 the cost of a 512-wide model; ``--model tiny`` and ``--model wide --width N`` serve the others.
 
     python -m bench.scoring                                     # teacher-shaped model, both shapes
+    python -m bench.scoring --token-budget 2048                 # the seed's second row (vLLM-CPU's default)
     python -m bench.scoring --model tiny --groups 3 --repeats 3 # the attention-bound test model
     python -m bench.scoring --model wide --width 512 --shapes short
 """
@@ -239,13 +240,15 @@ def isolate_worker_cores(cfg: ReplicaSetConfig) -> tuple[list[int], list[int]] |
 
 async def main_async(args: argparse.Namespace) -> list[ShapeResult]:
     console = Console(width=240)
-    replicas = {"num_replicas": 1, "max_model_len": 8192, "model": bench_model(args.model, args.width)}
+    replicas = {"num_replicas": 1, "max_model_len": 8192, "model": bench_model(args.model, args.width),
+                "max_num_batched_tokens": args.token_budget}
     cfg = AppConfig().replace(router={"port": 0, "scrape_interval_s": 0}, replicas=replicas)
     pinned = isolate_worker_cores(cfg.replicas) if args.isolate_worker else None
     if pinned:
         console.print(f"model worker on core(s) {pinned[0]}; routers, Ray and the replica's front end on {pinned[1]}")
     tokenizer = PromptTokenizer(tokenizer_path(cfg))
     cost, title = model_cost(resolve_model(cfg.replicas))
+    title += f"; token budget {args.token_budget}"
     async with ReplicaSet(cfg.replicas) as replica_set:
         ep = replica_set.endpoints[0]
         if not ep.scoring_cap:
@@ -285,6 +288,9 @@ def main() -> None:
     parser.add_argument("--model", choices=sorted(MODELS), default="teacher",
                         help="served model (default %(default)s): " + "; ".join(f"{k}: {v}" for k, v in MODELS.items()))
     parser.add_argument("--width", type=int, default=512, help="hidden size for --model wide (default %(default)s)")
+    parser.add_argument("--token-budget", type=int, default=512,
+                        help="the replica's max_num_batched_tokens, the seed's 'token budget' (default %(default)s, "
+                             "the seed's headline row; vLLM-CPU's own default is 2048)")
     parser.add_argument("--isolate-worker", action=argparse.BooleanOptionalAction, default=True,
                         help="keep everything else off the replica worker's core(s) (default on)")
     parser.add_argument("--out", default="results/scoring.json")
