@@ -15,9 +15,10 @@ the largest logprob difference between the two. The token-count bound ignores th
 attends to every key before it; the FLOP bound (:class:`cache_policy.scoring.PrefillCost`, from
 the served model's ``config.json``) weights each row by its linear + attention FLOPs.
 
-Which model is served matters for what the ratio means. The seed's teacher (Qwen3-32B) spends about
-6% of a 3,500-token prefill's FLOPs in attention; the 128-wide test model about 65%, so on it the rows reuse cannot skip (responses reading a long cached context) are its
-dearest ones, and no implementation reaches the token bound. The default ``--model teacher``
+Which model is served matters for what the ratio means. The seed's teacher (Qwen3-32B) spends
+about 6% of a 3,500-token prefill's FLOPs in attention; the 128-wide test model about 65%, so on
+it the rows reuse cannot skip (responses reading a long cached context) are its dearest ones,
+and no implementation reaches the token bound. The default ``--model teacher``
 (:meth:`TinyModelSpec.teacher_shaped`) has the 32B teacher's attention-to-linear FLOP ratio at
 the cost of a 512-wide model; ``--model tiny`` and ``--model wide --width N`` serve the others.
 
@@ -132,7 +133,7 @@ async def _timed_score(http: aiohttp.ClientSession, url: str, ep: ReplicaEndpoin
     return time.perf_counter() - started, payload
 
 
-async def _best_of(http, urls: dict[str, str], ep: ReplicaEndpoint, context, responses, repeats: int,
+async def _runs(http, urls: dict[str, str], ep: ReplicaEndpoint, context, responses, repeats: int,
                    advance: Callable[[], None] = lambda: None):
     """Per mode, the wall times of ``repeats`` runs (s) and the last answer. The modes alternate
     which goes first, so neither always runs on a warmer (or colder) process. ``advance`` is
@@ -154,7 +155,7 @@ async def run_shape(http, urls: dict[str, str], ep: ReplicaEndpoint, shape: Shap
     res = ShapeResult(shape.name, groups)
     for _ in range(groups):
         context, responses = make_group(shape, rng, vocab)
-        times, answers = await _best_of(http, urls, ep, context, responses, repeats, advance)
+        times, answers = await _runs(http, urls, ep, context, responses, repeats, advance)
         res.runs.append(times)
         off, on = answers["uncached"], answers["bounded"]
         assert on["scoring_cap"] and not off["scoring_cap"], "bench needs a replica with an active cap"
@@ -177,12 +178,14 @@ def render(results: list[ShapeResult], console: Console, title: str) -> None:
     table = Table(title=f"OPD teacher scoring, K = 4, each group from an empty cache, best of {repeats} runs "
                         "per group and mode (real vLLM-CPU)")
     for col in ("shape", "groups", "uncached s", "bounded s", "speedup", "bound", "speedup/bound",
-                "FLOP bound", "sp/FLOP bound", "median sp/bound", "computed tokens", "ideal", "uncached tokens", "max |dlogprob|"):
+                "FLOP bound", "sp/FLOP bound", "median sp/bound", "computed tokens", "ideal", "uncached tokens",
+                "max |dlogprob|"):
         table.add_column(col, justify="left" if col == "shape" else "right")
     for r in results:
         table.add_row(r.shape, str(r.groups), f"{r.uncached_s:.2f}", f"{r.bounded_s:.2f}", f"{r.speedup:.2f}x",
                       f"{r.bound:.2f}x", f"{r.speedup / r.bound:.3f}", f"{r.flop_bound:.2f}x",
-                      f"{r.speedup / r.flop_bound:.3f}", f"{r.median_speedup / r.bound:.3f}", f"{r.computed_tokens:,}",
+                      f"{r.speedup / r.flop_bound:.3f}", f"{r.median_speedup / r.bound:.3f}",
+                      f"{r.computed_tokens:,}",
                       f"{r.ideal_tokens:,}", f"{r.uncached_tokens:,}", f"{r.max_abs_diff:.3g}")
     console.print(table)
     console.print(f"model: {title}; bound = K(P+R)/(P+KR) from token counts; FLOP bound weights each row by "
@@ -259,7 +262,7 @@ async def main_async(args: argparse.Namespace) -> list[ShapeResult]:
                 aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
             urls = {"bounded": bounded_url, "uncached": uncached_url}
             warm_context, warm_responses = make_group(SHAPES[1], random.Random(99), tokenizer.vocab_size)
-            await _best_of(http, urls, ep, warm_context, warm_responses, 2)  # one-time costs
+            await _runs(http, urls, ep, warm_context, warm_responses, 2)  # one-time costs
             with Progress(*Progress.get_default_columns(), TimeElapsedColumn(), console=console,
                           transient=True) as progress:
                 task = progress.add_task("scoring groups", total=len(args.shapes) * args.groups * args.repeats * 2)
@@ -277,10 +280,21 @@ async def main_async(args: argparse.Namespace) -> list[ShapeResult]:
     return results
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (``ArgumentTypeError`` naming the value otherwise)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--groups", type=int, default=4, help="groups per shape (default %(default)s)")
-    parser.add_argument("--repeats", type=int, default=7,
+    parser = argparse.ArgumentParser(prog="python -m bench.scoring", description=__doc__.splitlines()[0])
+    parser.add_argument("--groups", type=positive_int, default=4, help="groups per shape (default %(default)s)")
+    parser.add_argument("--repeats", type=positive_int, default=7,
                         help="runs per group and mode, each from an empty cache; the fastest counts (default %(default)s)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPE_KEYS), default=["long", "short"],
@@ -288,13 +302,19 @@ def main() -> None:
     parser.add_argument("--model", choices=sorted(MODELS), default="teacher",
                         help="served model (default %(default)s): " + "; ".join(f"{k}: {v}" for k, v in MODELS.items()))
     parser.add_argument("--width", type=int, default=512, help="hidden size for --model wide (default %(default)s)")
-    parser.add_argument("--token-budget", type=int, default=512,
+    parser.add_argument("--token-budget", type=positive_int, default=512,
                         help="the replica's max_num_batched_tokens, the seed's 'token budget' (default %(default)s, "
                              "the seed's headline row; vLLM-CPU's own default is 2048)")
     parser.add_argument("--isolate-worker", action=argparse.BooleanOptionalAction, default=True,
                         help="keep everything else off the replica worker's core(s) (default on)")
     parser.add_argument("--out", default="results/scoring.json")
-    asyncio.run(main_async(parser.parse_args()))
+    args = parser.parse_args()
+    if args.model == "wide":
+        try:
+            TinyModelSpec.wide(args.width)
+        except ValueError as exc:
+            parser.error(f"--width: {exc}")
+    asyncio.run(main_async(args))
 
 
 if __name__ == "__main__":

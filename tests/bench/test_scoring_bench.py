@@ -34,3 +34,14 @@ def test_a_worker_bound_to_every_core_leaves_nothing_pinned(restore_affinity):
     spec = ",".join(map(str, cores))
     assert isolate_worker_cores(ReplicaSetConfig(omp_threads_bind=spec)) is None
     assert os.sched_getaffinity(0) == restore_affinity
+
+
+def test_counts_must_be_positive_integers():
+    import argparse
+
+    from bench.scoring import positive_int
+
+    assert positive_int("3") == 3
+    for bad in ("0", "-2", "x", "1.5"):
+        with pytest.raises(argparse.ArgumentTypeError, match="positive integer"):
+            positive_int(bad)
