@@ -37,6 +37,7 @@ import json
 import os
 import random
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -188,6 +189,8 @@ def render(results: list[ShapeResult], console: Console, title: str) -> None:
                       f"{r.computed_tokens:,}",
                       f"{r.ideal_tokens:,}", f"{r.uncached_tokens:,}", f"{r.max_abs_diff:.3g}")
     console.print(table)
+    console.print("speedup: each mode's best run per group; identical runs vary by several percent on a "
+                  "shared machine, so a ratio above 1 is noise (more --repeats narrows it)")
     console.print(f"model: {title}; bound = K(P+R)/(P+KR) from token counts; FLOP bound weights each row by "
                   "its linear + attention FLOPs (cache_policy.scoring.PrefillCost)")
 
@@ -206,8 +209,8 @@ def model_cost(model_dir: str) -> tuple[PrefillCost, str]:
 
 
 MODELS = {
-    "teacher": "hidden 512, one 64-wide head, MLP 2048: attention's share of a prefill is a 32B "
-               "teacher's (TinyModelSpec.teacher_shaped)",
+    "teacher": "hidden 512, one 64-wide head, MLP 2048: attention takes the share of a prefill it "
+               "takes in a 32B production teacher (TinyModelSpec.teacher_shaped)",
     "tiny": "the 128-wide test model: attention-bound, so the FLOP bound sits below the token bound",
     "wide": "Llama proportions at --width (TinyModelSpec.wide): 64-wide heads, MLP 2.75x",
 }
@@ -242,7 +245,7 @@ def isolate_worker_cores(cfg: ReplicaSetConfig) -> tuple[list[int], list[int]] |
 
 
 async def main_async(args: argparse.Namespace) -> list[ShapeResult]:
-    console = Console(width=240)
+    console = Console(width=None if sys.stdout.isatty() else 240)  # logs keep the table's rows whole
     replicas = {"num_replicas": 1, "max_model_len": 8192, "model": bench_model(args.model, args.width),
                 "max_num_batched_tokens": args.token_budget}
     cfg = AppConfig().replace(router={"port": 0, "scrape_interval_s": 0}, replicas=replicas)
@@ -277,6 +280,7 @@ async def main_async(args: argparse.Namespace) -> list[ShapeResult]:
                                                    flop_bound=r.flop_bound, median_speedup=r.median_speedup,
                                                    model=title)
                                               for r in results], indent=2))
+        console.print(f"wrote {args.out} (every run's wall time per group and mode under 'runs')")
     return results
 
 
@@ -296,20 +300,25 @@ def main() -> None:
     parser.add_argument("--groups", type=positive_int, default=4, help="groups per shape (default %(default)s)")
     parser.add_argument("--repeats", type=positive_int, default=7,
                         help="runs per group and mode, each from an empty cache; the fastest counts (default %(default)s)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="random seed for the generated contexts and responses (default %(default)s)")
     parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPE_KEYS), default=["long", "short"],
                         help="workload shapes to run (default: both)")
     parser.add_argument("--model", choices=sorted(MODELS), default="teacher",
                         help="served model (default %(default)s): " + "; ".join(f"{k}: {v}" for k, v in MODELS.items()))
-    parser.add_argument("--width", type=int, default=512, help="hidden size for --model wide (default %(default)s)")
+    parser.add_argument("--width", type=int, default=None, help="hidden size for --model wide (default 512)")
     parser.add_argument("--token-budget", type=positive_int, default=512,
-                        help="the replica's max_num_batched_tokens, the seed's 'token budget' (default %(default)s, "
-                             "the seed's headline row; vLLM-CPU's own default is 2048)")
+                        help="the replica's max_num_batched_tokens: the most prompt tokens one engine step "
+                             "prefills (default %(default)s, the budget of the OPD write-up's headline "
+                             "measurement; vLLM-CPU's own default is 2048)")
     parser.add_argument("--isolate-worker", action=argparse.BooleanOptionalAction, default=True,
                         help="keep everything else off the replica worker's core(s) (default on)")
     parser.add_argument("--out", default="results/scoring.json")
     args = parser.parse_args()
+    if args.width is not None and args.model != "wide":
+        parser.error("--width applies to --model wide only")
     if args.model == "wide":
+        args.width = args.width or 512
         try:
             TinyModelSpec.wide(args.width)
         except ValueError as exc:
