@@ -94,7 +94,10 @@ async def test_no_verdict_on_a_paused_engine_is_not_confirmed(http, serve):
     assert not outcome.confirmed and "paused" in outcome.detail, outcome
 
 
-async def test_no_verdict_and_a_probe_that_cannot_hit_is_not_confirmed(http, serve):
+async def _probe_only_server(serve, complete) -> str:
+    """A server whose reset gives no verdict (so the probe decides), unpaused, serving model
+    ``m``, whose ``/v1/completions`` is ``complete``."""
+
     async def no_verdict(request):
         return web.Response(status=200)
 
@@ -104,31 +107,25 @@ async def test_no_verdict_and_a_probe_that_cannot_hit_is_not_confirmed(http, ser
     async def models(request):
         return web.json_response({"data": [{"id": "m"}]})
 
+    return await serve([web.post("/reset_prefix_cache", no_verdict), web.get("/is_paused", idle),
+                        web.get("/v1/models", models), web.post("/v1/completions", complete)])
+
+
+async def test_no_verdict_and_a_probe_that_cannot_hit_is_not_confirmed(http, serve):
     async def complete(request):  # a server without --enable-prompt-tokens-details
         return web.json_response({"usage": {"prompt_tokens": 257}})
 
-    url = await serve([web.post("/reset_prefix_cache", no_verdict), web.get("/is_paused", idle),
-                       web.get("/v1/models", models), web.post("/v1/completions", complete)])
+    url = await _probe_only_server(serve, complete)
     assert not await reset_prefix_cache_confirmed(http, url, timeout_s=1)
     outcome = await reset_prefix_cache_outcome(http, url, timeout_s=1)
     assert not outcome.confirmed and "no usage.prompt_tokens_details.cached_tokens" in outcome.detail, outcome
 
 
 async def test_a_probe_request_that_fails_says_why(http, serve):
-    async def no_verdict(request):
-        return web.Response(status=200)
-
-    async def idle(request):
-        return web.json_response({"is_paused": False})
-
-    async def models(request):
-        return web.json_response({"data": [{"id": "m"}]})
-
     async def overloaded(request):
         return web.json_response({"error": {"message": "engine overloaded"}}, status=503)
 
-    url = await serve([web.post("/reset_prefix_cache", no_verdict), web.get("/is_paused", idle),
-                       web.get("/v1/models", models), web.post("/v1/completions", overloaded)])
+    url = await _probe_only_server(serve, overloaded)
     outcome = await reset_prefix_cache_outcome(http, url, timeout_s=1)
     assert not outcome.confirmed, outcome
     assert "cached tokens [None, None]; probe request: HTTP 503: engine overloaded" in outcome.detail, outcome
