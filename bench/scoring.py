@@ -236,7 +236,7 @@ def isolate_worker_cores(cfg: ReplicaSetConfig) -> tuple[list[int], list[int]] |
     worker's core and slow forward passes by a varying amount, which is noise in the ratio.
     """
     available = sorted(os.sched_getaffinity(0))
-    worker = parse_cpu_list(omp_threads_bind(cfg, 0, len(available)))
+    worker = parse_cpu_list(omp_threads_bind(cfg, 0))  # what replicas.server.build_env binds replica 0 to
     others = [c for c in available if c not in worker]
     if not others:
         return None
