@@ -2,15 +2,19 @@
 
 Sources: the balance thresholds and ``cache_threshold`` follow SGLang's cache-aware
 policy (``sgl-router/src/policies/cache_aware.rs``); the admission fields implement
-DESIGN rule 3. Validation raises ``ValueError`` naming the field.
+DESIGN rule 3. Validation raises ``ValueError`` naming the field (a pydantic
+``ValidationError``, which is one, for a value of the wrong type).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import fields
+
+from pydantic import ConfigDict
+from pydantic.dataclasses import dataclass
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=ConfigDict(extra="forbid", use_attribute_docstrings=True))
 class PolicyConfig:
     """Thresholds of ``cache_policy``; frozen, validated in ``__post_init__``."""
 
@@ -45,6 +49,10 @@ class PolicyConfig:
     session_idle_s: float = 120.0
     """A session unseen for longer than this is no longer live (not a continuing session)."""
 
+    key_ttl_s: float = 3600.0
+    """A session's or group's record (pin, start version) unseen for longer than this, with
+    nothing in flight, is forgotten; a keep+salt session keeps its start version until then."""
+
     max_in_flight_per_replica: int = 256
     """Admission fallback when a replica's ``num_gpu_blocks`` is unknown (0): admit while
     its in-flight count is below this (vLLM's default ``max_num_seqs`` is 256)."""
@@ -60,6 +68,7 @@ class PolicyConfig:
         _at_least(self, "max_queue", 0)
         _positive(self, "queue_timeout_s")
         _positive(self, "session_idle_s")
+        _positive(self, "key_ttl_s")
         _at_least(self, "max_in_flight_per_replica", 1)
 
     @classmethod
