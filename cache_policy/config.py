@@ -10,8 +10,12 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from pydantic import ConfigDict
+from typing import Any
+
+from pydantic import ConfigDict, model_validator
 from pydantic.dataclasses import dataclass
+
+from cache_policy.config_errors import validate_one_line
 
 
 @dataclass(frozen=True, config=ConfigDict(extra="forbid", use_attribute_docstrings=True))
@@ -33,9 +37,18 @@ class PolicyConfig:
     max_pins: int = 100_000
     """Capacity of the session and group pin table (shared); least recently used go first."""
 
-    repin_overload_factor: float = 3.0
-    """A pin moves when its replica's load (less the pin's own in-flight requests) exceeds
-    ``repin_overload_factor * min(other loads) + balance_abs_threshold``."""
+    move_queue_cost_tokens: int = 256
+    """Price, in prompt tokens prefilled, of waiting behind one request queued on a saturated
+    replica: a pinned session or group moves when its replica is saturated and
+    ``num_waiting * move_queue_cost_tokens`` exceeds what moving costs (the prefix prefilled
+    again plus the target's own queue; ``cache_policy.move_rule``). A queued request waits for
+    a running sequence to finish, i.e. for tens to hundreds of decode steps, each costing about
+    what a prefill chunk of a few tokens per running sequence does; 256 (eight 32-token blocks)
+    is the order of one rollout turn's new prompt tokens."""
+
+    predicted_ttl_s: float = 10.0
+    """On a replica that publishes KV events, a predicted prefix-index entry (a routing
+    decision) that no ``BlockStored`` confirms within this many seconds expires."""
 
     high_watermark: float = 0.85
     """Admit while projected KV cache usage (fraction of ``num_gpu_blocks``) stays at or below."""
@@ -57,13 +70,19 @@ class PolicyConfig:
     """Admission fallback when a replica's ``num_gpu_blocks`` is unknown (0): admit while
     its in-flight count is below this (vLLM's default ``max_num_seqs`` is 256)."""
 
+    @model_validator(mode="wrap")
+    @classmethod
+    def _one_line(cls, data: Any, handler: Any) -> Any:
+        return validate_one_line("PolicyConfig", data, handler)
+
     def __post_init__(self) -> None:
         _at_least(self, "balance_abs_threshold", 0)
         _at_least(self, "balance_rel_threshold", 1.0)
         _in_unit(self, "cache_threshold", low_open=False)
         _at_least(self, "max_index_blocks", 1)
         _at_least(self, "max_pins", 1)
-        _at_least(self, "repin_overload_factor", 1.0)
+        _at_least(self, "move_queue_cost_tokens", 0)
+        _positive(self, "predicted_ttl_s")
         _in_unit(self, "high_watermark", low_open=True)
         _at_least(self, "max_queue", 0)
         _positive(self, "queue_timeout_s")

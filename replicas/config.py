@@ -6,16 +6,23 @@ against it with :meth:`ReplicaSetConfig.from_dict`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
-from typing import Any, Literal, Mapping
+from dataclasses import field, fields
+from typing import Any, Literal, Mapping, get_args
+
+from pydantic import ConfigDict, field_validator, model_validator
+from pydantic.dataclasses import dataclass
+
+from cache_policy.config_errors import validate_one_line
 
 Engine = Literal["cpu", "gpu"]
-ENGINES: tuple[str, ...] = ("cpu", "gpu")
+ENGINES: tuple[str, ...] = get_args(Engine)
+ModelDType = Literal["auto", "half", "float16", "bfloat16", "float", "float32"]
+"""The ``--dtype`` values vLLM accepts (``vllm/config/model.py`` ``ModelDType``, vLLM 0.32)."""
 TINY_MODEL = "tiny"
 CPU_BLOCK_MULTIPLE = 32
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=ConfigDict(extra="forbid", use_attribute_docstrings=True))
 class ReplicaSetConfig:
     """A set of identical vLLM OpenAI servers, one per Ray actor (or existing ``urls``)."""
 
@@ -31,10 +38,11 @@ class ReplicaSetConfig:
     """KV cache block size in tokens; the CPU engine needs a multiple of 32."""
     max_model_len: int = 16384
     """Longest prompt + output; must not exceed the model's ``max_position_embeddings``."""
-    dtype: str = "float32"
-    """Model dtype (``--dtype``)."""
-    kv_cache_space_gib: float = 1.0
-    """CPU only: KV cache size in GiB per replica (``VLLM_CPU_KVCACHE_SPACE``)."""
+    dtype: ModelDType = "float32"
+    """Model dtype (``--dtype``): auto | half | float16 | bfloat16 | float | float32."""
+    kv_cache_space_gib: int = 1
+    """CPU only: KV cache size in whole GiB per replica (``VLLM_CPU_KVCACHE_SPACE``, which vLLM-CPU
+    reads as an integer: a fraction would kill the replica at start, so it is refused here)."""
     gpu_memory_utilization: float = 0.8
     """GPU only: fraction of GPU memory vLLM may use (``--gpu-memory-utilization``)."""
     enforce_eager: bool = True
@@ -69,12 +77,28 @@ class ReplicaSetConfig:
     log_dir: str | None = None
     """Folder for per-replica server logs (``{log_dir}/replica-{i}/server.log``); None = a fresh temp folder."""
 
+    @model_validator(mode="wrap")
+    @classmethod
+    def _one_line(cls, data: Any, handler: Any) -> Any:
+        return validate_one_line("ReplicaSetConfig", data, handler)
+
+    @field_validator("kv_cache_space_gib", mode="before")
+    @classmethod
+    def _whole_gib(cls, value: Any) -> Any:
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"ReplicaSetConfig.kv_cache_space_gib: must be a whole number of GiB, got {value!r}")
+        return value
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "urls", tuple(u.rstrip("/") for u in self.urls))
         object.__setattr__(self, "extra_args", tuple(self.extra_args))
         object.__setattr__(self, "extra_env", dict(self.extra_env))
         _check(self.engine in ENGINES, "engine", f"must be one of {ENGINES}, got {self.engine!r}")
         _check(bool(self.model), "model", 'must be "tiny" or a Hugging Face path/name')
+        _check(bool(self.served_model_name), "served_model_name", "must be a non-empty name")
+        _check(bool(self.host), "host", "must be an interface address such as 127.0.0.1")
         _check(self.num_replicas >= 1 or bool(self.urls), "num_replicas", "must be >= 1")
         _check(self.block_size > 0, "block_size", "must be > 0")
         if self.engine == "cpu":

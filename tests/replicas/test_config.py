@@ -78,9 +78,9 @@ def test_command_carries_the_required_flags():
 
 
 def test_env_sets_dev_mode_kv_space_binding_and_plugin_switch():
-    env = build_env(ReplicaSetConfig(kv_cache_space_gib=2.5, omp_threads_bind="0|1"), 1, base={"PATH": "/bin"})
+    env = build_env(ReplicaSetConfig(kv_cache_space_gib=2, omp_threads_bind="0|1"), 1, base={"PATH": "/bin"})
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["PATH"] == "/bin"
-    assert env["VLLM_CPU_KVCACHE_SPACE"] == "2.5" and env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "2" and env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
     assert "VLLM_PLUGINS" not in env
     off = build_env(ReplicaSetConfig(enable_plugin=False, extra_env={"VLLM_CPU_KVCACHE_SPACE": "3"}), 0, base={})
     assert off["VLLM_PLUGINS"] == "" and off["VLLM_CPU_KVCACHE_SPACE"] == "3"
