@@ -1,25 +1,45 @@
 """Router configuration and the YAML file that combines router, replica and policy sections.
 
 Every default is written once, here (router), in `replicas.config` (replicas) and in
-`cache_policy.config` (policy thresholds). YAML files hold overrides only and are checked
-against these dataclasses: an unknown key is a ValueError naming it.
+`cache_policy.config` (policy thresholds). Each section is a frozen pydantic dataclass: YAML files
+hold overrides only and are checked against them before anything starts, and any mistake (an
+unknown key, a wrong type, a value vLLM would refuse) is one ``ValueError`` line naming its YAML
+path, e.g. ``replicas.kv_cache_space_gib: must be a whole number of GiB, got 1.5``.
+Each choice list is defined once by its owner and imported here.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
+from pydantic import ConfigDict, model_validator
+from pydantic.dataclasses import dataclass
 
 from cache_policy.config import PolicyConfig
+from cache_policy.config_errors import one_line, validate_one_line
 from cache_policy.policy import POLICIES
+from cache_policy.salts import WeightUpdatePolicy
 from replicas.config import ReplicaSetConfig
+from replicas.weights import PauseMode
+
+RoutingPolicy = Literal[tuple(POLICIES)]  # type: ignore[valid-type]
+"""Routing policy names, as registered in ``cache_policy.policy.POLICIES``."""
+StateKind = Literal["memory", "redis"]
+"""Where shared routing state lives (``router.shared_state.make_state``)."""
+STATE_KINDS: tuple[str, ...] = get_args(StateKind)
+UpdateMode = Literal["rolling", "all"]
+"""How ``POST /admin/weights`` walks the replicas (``router.admin``)."""
+UPDATE_MODES: tuple[str, ...] = get_args(UpdateMode)
+SECTIONS = {"router": "router", "replicas": "ReplicaSetConfig", "policy": "PolicyConfig"}
+"""YAML section -> the owner name its config errors start with."""
+_STRICT = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=_STRICT)
 class RouterConfig:
     """How the router listens, routes and talks to replicas."""
 
@@ -27,7 +47,7 @@ class RouterConfig:
     """Address to listen on."""
     port: int = 8000
     """Port to listen on (0 picks a free one)."""
-    policy: str = "prefix_affinity"
+    policy: RoutingPolicy = "prefix_affinity"
     """Routing policy: prefix_affinity | round_robin | least_load."""
     seed: int = 0
     """Seed of the policy's tie-breaking random generator."""
@@ -39,7 +59,7 @@ class RouterConfig:
     """Seconds between /metrics scrapes of each replica; 0 disables the scrape loop."""
     admin_token: str | None = None
     """Bearer token required by /admin/* endpoints; None disables them."""
-    state: Literal["memory", "redis"] = "memory"
+    state: StateKind = "memory"
     """Where session/group pins and the replica registry live: this process, or Redis shared by routers."""
     redis_url: str | None = None
     """Redis URL when state is 'redis'."""
@@ -50,12 +70,12 @@ class RouterConfig:
     would pass ``policy.high_watermark``; 429 past ``policy.max_queue`` / ``queue_timeout_s``."""
     admission_default_max_tokens: int = 256
     """Output tokens admission reserves for a request that gives no ``max_tokens``."""
-    weight_update_policy: Literal["flush", "keep", "salt", "keep+salt"] = "keep+salt"
+    weight_update_policy: WeightUpdatePolicy = "keep+salt"
     """Cache policy at weight updates (seed 003): flush | keep | salt | keep+salt; an update may
     name its own, which then stays in force."""
-    weight_update_mode: Literal["rolling", "all"] = "rolling"
+    weight_update_mode: UpdateMode = "rolling"
     """POST /admin/weights updates replicas one at a time (the rest keep serving) or all at once."""
-    weight_update_pause_mode: Literal["keep", "wait", "abort"] = "wait"
+    weight_update_pause_mode: PauseMode = "wait"
     """How a replica pauses for an update: wait for in-flight requests, keep them frozen (they
     finish under the new weights, and say so), or abort them."""
     flush_preempt_running: bool = True
@@ -67,48 +87,99 @@ class RouterConfig:
     """Checkpoint folder the replicas serve at start, reloaded if an update's load fails;
     default: the replicas' model when it is a local folder."""
 
+    max_model_len: int | None = None
+    """Longest prompt + output the router lets through (prompts and ``max_tokens`` are checked
+    against it before admission); None: ``replicas.max_model_len``."""
+    max_prompt_chars: int | None = None
+    """Longest text prompt or chat conversation, in characters, refused before tokenizing (a cheap
+    bound that keeps huge texts off the tokenizer); None: 16 x the max model length."""
+    max_n: int = 64
+    """Largest ``n`` (samples per prompt) a request may ask for."""
+    max_score_responses: int = 64
+    """Largest number of responses (K) one ``/v1/score`` request may carry."""
+    max_key_chars: int = 256
+    """Longest session id, group id or tenant, in characters."""
+    max_body_bytes: int = 8 * 1024 * 1024
+    """Largest request body, in bytes (413 past it, before it is read)."""
+    max_header_bytes: int = 8190
+    """Longest request line and longest single header, in bytes (aiohttp's limit; 400 past it)."""
+    header_timeout_s: float = 15.0
+    """Seconds a connection may stay idle or take to send a request's headers before it is closed."""
+    body_timeout_s: float = 30.0
+    """Seconds a client may take to send a request body (408 past it)."""
+    api_keys: dict[str, str | None] = field(default_factory=dict)
+    """API keys the OpenAI endpoints (``/v1/*``) accept as ``Authorization: Bearer <key>``, each
+    mapped to the tenant it acts for (null: none); empty: no key needed. Separate from
+    ``admin_token``."""
+    tenant_header: bool = False
+    """Take the tenant from the ``X-Tenant-Id`` header (a key's own tenant wins and must agree);
+    False: the header is refused (400), so it never silently does nothing."""
+    expose_expected_cached_tokens: bool = True
+    """Send ``X-Rollout-Expected-Cached-Tokens`` and the ``expected_cached_tokens`` annotation;
+    False hides what the router predicts is cached from clients."""
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _one_line(cls, data: Any, handler: Any) -> Any:
+        return validate_one_line("router", data, handler)
+
     def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ValueError(f"router.policy {self.policy!r} is unknown; valid: {', '.join(sorted(POLICIES))}")
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"router.port must be in [0, 65535], got {self.port}")
-        if self.scrape_interval_s < 0:
-            raise ValueError("router.scrape_interval_s must be >= 0 (0 disables scraping)")
-        if self.connect_retries < 0:
-            raise ValueError("router.connect_retries must be >= 0")
-        if self.state == "redis" and not self.redis_url:
-            raise ValueError("router.state is 'redis' but router.redis_url is not set")
-        if self.state not in ("memory", "redis"):
-            raise ValueError(f"router.state must be 'memory' or 'redis', got {self.state!r}")
-        if self.admission_default_max_tokens < 1:
-            raise ValueError("router.admission_default_max_tokens must be >= 1")
-        _one_of(self, "weight_update_policy", ("flush", "keep", "salt", "keep+salt"))
-        _one_of(self, "weight_update_mode", ("rolling", "all"))
-        _one_of(self, "weight_update_pause_mode", ("keep", "wait", "abort"))
-        if self.initial_weight_version is not None and self.initial_weight_version < 0:
-            raise ValueError("router.initial_weight_version must be >= 0 or None")
+        _check(0 <= self.port < 65536, "port", f"must be in [0, 65535], got {self.port}")
+        _check(self.scrape_interval_s >= 0, "scrape_interval_s", "must be >= 0 (0 disables scraping)")
+        _check(self.connect_retries >= 0, "connect_retries", "must be >= 0")
+        _check(self.state != "redis" or bool(self.redis_url), "redis_url",
+               "must be set when router.state is 'redis'")
+        _check(self.admission_default_max_tokens >= 1, "admission_default_max_tokens", "must be >= 1")
+        _check(self.initial_weight_version is None or self.initial_weight_version >= 0,
+               "initial_weight_version", "must be >= 0 or None")
+        for name in ("max_n", "max_score_responses", "max_key_chars", "max_body_bytes", "max_header_bytes"):
+            _check(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
+        for name in ("max_model_len", "max_prompt_chars"):
+            value = getattr(self, name)
+            _check(value is None or value >= 1, name, f"must be >= 1 or null, got {value}")
+        for name in ("header_timeout_s", "body_timeout_s", "request_timeout_s"):
+            _check(getattr(self, name) > 0, name, f"must be > 0 seconds, got {getattr(self, name)}")
+        _check(all(key for key in self.api_keys), "api_keys", "must not hold an empty key")
 
 
-def _one_of(cfg: RouterConfig, name: str, choices: tuple[str, ...]) -> None:
-    value = getattr(cfg, name)
-    if value not in choices:
-        raise ValueError(f"router.{name} must be one of {', '.join(choices)}; got {value!r}")
+def _check(ok: bool, name: str, reason: str) -> None:
+    if not ok:
+        raise ValueError(f"router.{name}: {reason}")
 
 
 def from_mapping(cls: type, data: dict[str, Any] | None, section: str):
-    """Build dataclass ``cls`` from ``data``, rejecting unknown keys (ValueError names them)."""
+    """Build config dataclass ``cls`` from ``data`` (one YAML section).
+
+    Raises ValueError with one line: unknown keys named with the valid ones, or the first
+    invalid field as ``<section>.<field>: <reason>``.
+    """
+    if data is not None and not isinstance(data, dict):
+        raise ValueError(f"{section}: must be a mapping of settings, got {data!r}")
     data = dict(data or {})
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
     if unknown:
-        raise ValueError(f"unknown key(s) in '{section}': {', '.join(unknown)}; valid: {', '.join(sorted(names))}")
+        raise ValueError(f"unknown key(s) in '{section}': {', '.join(map(str, unknown))}; "
+                         f"valid: {', '.join(sorted(names))}")
     for f in dataclasses.fields(cls):
         if f.name in data and isinstance(data[f.name], list):
             data[f.name] = tuple(data[f.name])
-    return cls(**data)
+    return _built(section, lambda: cls(**data))
 
 
-@dataclass(frozen=True)
+def _built(section: str, build):
+    """``build()``, its config error re-raised as one line starting with the YAML ``section``."""
+    try:
+        return build()
+    except ValueError as exc:
+        message = one_line(exc)
+        owner = SECTIONS[section]
+        if message.startswith(owner + "."):
+            message = section + message[len(owner):]
+        raise ValueError(message) from None
+
+
+@dataclass(frozen=True, config=_STRICT)
 class AppConfig:
     """The whole deployment: the three sections of a YAML config file."""
 
@@ -116,25 +187,44 @@ class AppConfig:
     replicas: ReplicaSetConfig = field(default_factory=ReplicaSetConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
 
+    @property
+    def max_model_len(self) -> int:
+        """Longest prompt + output: ``router.max_model_len``, else the replicas'."""
+        return self.router.max_model_len or self.replicas.max_model_len
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """Character bound on a text prompt before tokenizing (``router.max_prompt_chars``)."""
+        return self.router.max_prompt_chars or 16 * self.max_model_len
+
     @classmethod
     def load(cls, path: str | Path | None) -> "AppConfig":
-        """Read a YAML file (None -> all defaults). Raises ValueError on unknown sections or keys."""
-        raw = yaml.safe_load(Path(path).read_text()) if path else {}
+        """Read a YAML file (None -> all defaults). Raises ValueError (one line naming the YAML
+        path) on an unknown section or key, a wrong type or a refused value."""
+        try:
+            raw = yaml.safe_load(Path(path).read_text()) if path else {}
+        except yaml.YAMLError as exc:
+            raise ValueError(f"{path} is not valid YAML: {' '.join(str(exc).split())}") from None
         raw = raw or {}
-        unknown = sorted(set(raw) - {"router", "replicas", "policy"})
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path} must hold a mapping with sections router, replicas, policy")
+        unknown = sorted(set(raw) - set(SECTIONS))
         if unknown:
-            raise ValueError(f"unknown section(s) in {path}: {', '.join(unknown)}; valid: router, replicas, policy")
+            raise ValueError(f"unknown section(s) in {path}: {', '.join(map(str, unknown))}; "
+                             "valid: router, replicas, policy")
         return cls(
             router=from_mapping(RouterConfig, raw.get("router"), "router"),
-            replicas=from_mapping(ReplicaSetConfig, raw.get("replicas"), "replicas"),
+            replicas=_built("replicas", lambda: ReplicaSetConfig.from_dict(raw.get("replicas"))),
             policy=from_mapping(PolicyConfig, raw.get("policy"), "policy"),
         )
 
     def replace(self, **sections: Any) -> "AppConfig":
-        """Return a copy with some section fields overridden: ``replace(router={"port": 0})``."""
-        return AppConfig(
-            **{
-                name: dataclasses.replace(getattr(self, name), **sections.get(name, {}))
-                for name in ("router", "replicas", "policy")
-            }
-        )
+        """Return a copy with some section fields overridden: ``replace(router={"port": 0})``.
+        Raises ValueError (one line naming ``<section>.<field>``) on a bad value."""
+        unknown = sorted(set(sections) - set(SECTIONS))
+        if unknown:
+            raise ValueError(f"unknown section(s): {', '.join(unknown)}; valid: router, replicas, policy")
+        return AppConfig(**{
+            name: _built(name, lambda name=name: dataclasses.replace(getattr(self, name), **sections.get(name, {})))
+            for name in SECTIONS
+        })
