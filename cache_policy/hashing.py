@@ -91,6 +91,29 @@ def block_hashes(
     return _hash_chain(packed, block_size, _ROOT_PARENT, salt, seed)
 
 
+
+def chained_block_hashes(
+    parent: BlockHash | None,
+    token_ids: Sequence[int],
+    block_size: int,
+    cache_salt: str | None = None,
+    *,
+    seed: int = 0,
+) -> list[BlockHash]:
+    """Hashes of the full blocks of ``token_ids`` continuing a chain whose last hash is ``parent``.
+
+    ``parent=None`` starts at block 0 (``cache_salt`` folded into its first block), so
+    ``chained_block_hashes(None, t, B, s) == block_hashes(t, B, s)``; with a parent,
+    ``cache_salt`` must be ``None`` (the salt lives in block 0 only): ``ValueError`` otherwise.
+    Used to rebuild router hashes from an engine's KV events (``cache_policy.kv_events``).
+    """
+    _check_block_size(block_size)
+    if parent is not None and cache_salt is not None:
+        raise ValueError("cache_salt applies to block 0 only; got one with a parent hash")
+    packed = _pack_tokens(token_ids)
+    start = _ROOT_PARENT if parent is None else parent
+    return _hash_chain(packed, block_size, start, _salt_bytes(cache_salt), seed)
+
 class BlockHasher:
     """Incremental form of :func:`block_hashes` for a growing token sequence.
 

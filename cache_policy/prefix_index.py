@@ -1,40 +1,71 @@
-"""PrefixIndex: which replicas the router believes hold which blocks.
+"""PrefixIndex: which replicas the router believes hold which blocks, predicted or confirmed.
 
-The router cannot see a replica's cache; it remembers where it sent each prefix (as
-SGLang's approximate radix tree and Ray Serve's ``PrefixTree`` do). Entries are keyed by
-chained block hash, so a hash identifies its whole prefix and no tree is needed.
+The router remembers where it sent each prefix (as SGLang's approximate radix tree and Ray
+Serve's ``PrefixTree`` do): a *predicted* entry, added at once by a routing decision, so a
+GRPO group's later members see the first member's placement before any engine reports it.
+Replicas that publish vLLM KV events also *confirm* entries (``BlockStored``) and remove
+them (``BlockRemoved``, ``AllBlocksCleared``; see ``cache_policy.kv_events``); on such an
+*event-fed* replica a predicted entry that no event confirms within ``predicted_ttl_s``
+expires. A replica without events keeps predicted entries until LRU eviction or removal.
+Entries are keyed by chained block hash, so a hash identifies its whole prefix and no tree
+is needed. Times are float seconds from the caller's clock; the index remembers the latest
+``now`` it was given and stamps predictions made without one with it.
 """
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 from cache_policy.types import BlockHash, ReplicaId
 
+_CONFIRMED = None
+"""State of a (block, replica) pair an engine event confirmed; a float is a prediction time."""
+
+
+@dataclass(frozen=True)
+class IndexStats:
+    """Plain counters for metrics: ``entries`` distinct hashes; ``predicted`` and
+    ``confirmed`` (block, replica) pairs now; ``expired`` predictions dropped so far."""
+
+    entries: int
+    predicted: int
+    confirmed: int
+    expired: int
+
 
 class PrefixIndex:
-    """Block hash -> set of replicas believed to hold that block, bounded, LRU.
+    """Block hash -> replicas believed to hold that block (each predicted or confirmed), bounded, LRU.
 
     Invariants (``check_integrity``):
 
     * ``len(self) <= max_blocks`` (one entry per distinct hash, whatever its replicas);
-    * no entry has an empty replica set;
-    * ``_per_replica[r]`` == number of entries whose set contains ``r``.
+    * no entry has an empty replica map;
+    * ``_per_replica[r]`` == number of entries holding ``r``; ``_confirmed[r]`` == number of
+      entries where ``r`` is confirmed.
 
-    Order: ``_entries`` runs from least to most recently used. ``insert`` and ``match``
-    touch a prefix's hashes from its last block to its first, so block 0 is the most
-    recently used and a prefix is evicted from its tail first (as vLLM frees blocks in
-    reverse order): a chain never loses its head while keeping its tail.
-    Eviction drops whole entries (all replicas) from the least recently used end.
+    Order: ``_entries`` runs from least to most recently used. ``insert``, ``confirm`` and
+    ``match`` touch a prefix's hashes from its last block to its first, so block 0 is the
+    most recently used and a prefix is evicted from its tail first (as vLLM frees blocks in
+    reverse order): a chain never loses its head while keeping its tail. Eviction drops
+    whole entries (all replicas) from the least recently used end.
     """
 
-    def __init__(self, max_blocks: int) -> None:
+    def __init__(self, max_blocks: int, predicted_ttl_s: float = 10.0) -> None:
         if max_blocks < 1:
             raise ValueError(f"max_blocks (max_index_blocks) must be >= 1, got {max_blocks}")
+        if not predicted_ttl_s > 0:
+            raise ValueError(f"predicted_ttl_s must be > 0, got {predicted_ttl_s!r}")
         self.max_blocks = max_blocks
-        self._entries: OrderedDict[BlockHash, set[ReplicaId]] = OrderedDict()
+        self.predicted_ttl_s = predicted_ttl_s
+        self._entries: OrderedDict[BlockHash, dict[ReplicaId, float | None]] = OrderedDict()
         self._per_replica: Counter[ReplicaId] = Counter()
+        self._confirmed: Counter[ReplicaId] = Counter()
+        self._event_fed: set[ReplicaId] = set()
+        self._pending: deque[tuple[float, BlockHash, ReplicaId]] = deque()
+        self._now = 0.0
+        self._expired = 0
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -47,32 +78,67 @@ class PrefixIndex:
         """Number of indexed blocks ``replica`` holds (an approximate cache size)."""
         return self._per_replica[replica]
 
-    def insert(self, hashes: Sequence[BlockHash], replica: ReplicaId) -> None:
-        """Record that ``replica`` now holds every block of ``hashes``; evict past capacity."""
+    def confirmed_of(self, replica: ReplicaId) -> int:
+        """Number of ``replica``'s indexed blocks an engine event confirmed."""
+        return self._confirmed[replica]
+
+    def set_event_fed(self, replica: ReplicaId, fed: bool = True) -> None:
+        """Mark ``replica`` as publishing KV events (its predictions expire) or not."""
+        if fed:
+            self._event_fed.add(replica)
+        else:
+            self._event_fed.discard(replica)
+
+    def is_event_fed(self, replica: ReplicaId) -> bool:
+        """True if ``replica``'s unconfirmed predictions expire after ``predicted_ttl_s``."""
+        return replica in self._event_fed
+
+    def insert(self, hashes: Sequence[BlockHash], replica: ReplicaId, now: float | None = None) -> None:
+        """Predict that ``replica`` now holds every block of ``hashes``; evict past capacity.
+
+        A confirmed pair stays confirmed; a predicted one is stamped ``now`` again.
+        """
+        stamp = self._clock(now)
+        fed = replica in self._event_fed
         for h in reversed(hashes):
-            holders = self._entries.get(h)
-            if holders is None:
-                holders = self._entries[h] = set()
-            else:
-                self._entries.move_to_end(h)
+            holders = self._holders(h)
+            state = holders.get(replica, stamp)
             if replica not in holders:
-                holders.add(replica)
                 self._per_replica[replica] += 1
+            if state is not _CONFIRMED:
+                holders[replica] = stamp
+                if fed:
+                    self._pending.append((stamp, h, replica))
+        self._evict()
+        self._compact_pending()
+
+    def confirm(self, hashes: Sequence[BlockHash], replica: ReplicaId, now: float | None = None) -> None:
+        """Record that ``replica``'s engine reported holding every block of ``hashes``."""
+        self._clock(now)
+        for h in reversed(hashes):
+            holders = self._holders(h)
+            if replica not in holders:
+                self._per_replica[replica] += 1
+            if holders.get(replica, 0.0) is not _CONFIRMED:
+                holders[replica] = _CONFIRMED
+                self._confirmed[replica] += 1
         self._evict()
 
-    def match(self, hashes: Sequence[BlockHash]) -> dict[ReplicaId, int]:
+    def match(self, hashes: Sequence[BlockHash], now: float | None = None) -> dict[ReplicaId, int]:
         """Leading blocks of ``hashes`` each replica holds, contiguous from block 0.
 
-        Replicas holding none of the leading blocks are absent from the result. Touches
-        the matched hashes (refreshes their LRU position).
+        Expires stale predictions first (by ``now``, or by the latest time the index was
+        given). Replicas holding none of the leading blocks are absent from the result.
+        Touches the matched hashes (LRU).
         """
+        self.expire(self._clock(now))
         result: dict[ReplicaId, int] = {}
         alive: set[ReplicaId] = set()
         for depth, h in enumerate(hashes):
             holders = self._entries.get(h)
             if holders is None:
                 break
-            alive = set(holders) if depth == 0 else alive & holders
+            alive = set(holders) if depth == 0 else alive & holders.keys()
             if not alive:
                 break
             for r in alive:
@@ -80,18 +146,25 @@ class PrefixIndex:
         self._touch(hashes[: max(result.values(), default=0)])
         return result
 
+    def expire(self, now: float) -> int:
+        """Drop predictions on event-fed replicas older than ``predicted_ttl_s``; return how many."""
+        self._clock(now)
+        dropped = 0
+        while self._pending and self._pending[0][0] + self.predicted_ttl_s < now:
+            stamp, h, replica = self._pending.popleft()
+            holders = self._entries.get(h)
+            if holders is not None and holders.get(replica, _CONFIRMED) == stamp:
+                self._drop(h, holders, replica)
+                dropped += 1
+        self._expired += dropped
+        return dropped
+
     def remove(self, hashes: Sequence[BlockHash], replica: ReplicaId) -> None:
-        """Forget that ``replica`` holds ``hashes`` (e.g. blocks of a request it rejected)."""
+        """Forget that ``replica`` holds ``hashes`` (a request it rejected, blocks it evicted)."""
         for h in hashes:
             holders = self._entries.get(h)
-            if holders is None or replica not in holders:
-                continue
-            holders.discard(replica)
-            if not holders:
-                del self._entries[h]
-            self._per_replica[replica] -= 1
-            if self._per_replica[replica] == 0:
-                del self._per_replica[replica]
+            if holders is not None and replica in holders:
+                self._drop(h, holders, replica)
 
     def remove_replica(self, replica: ReplicaId) -> None:
         """Forget every block ``replica`` holds (it left the fleet or lost its cache)."""
@@ -99,29 +172,66 @@ class PrefixIndex:
             return
         for h in list(self._entries):
             holders = self._entries[h]
-            holders.discard(replica)
+            holders.pop(replica, None)
             if not holders:
                 del self._entries[h]
         del self._per_replica[replica]
+        self._confirmed.pop(replica, None)
 
     def clear(self) -> None:
         """Forget everything (e.g. after a cache flush on every replica)."""
         self._entries.clear()
         self._per_replica.clear()
+        self._confirmed.clear()
+        self._pending.clear()
+
+    def stats(self) -> IndexStats:
+        """Counters for metrics (O(replicas))."""
+        pairs, confirmed = sum(self._per_replica.values()), sum(self._confirmed.values())
+        return IndexStats(len(self._entries), pairs - confirmed, confirmed, self._expired)
 
     def check_integrity(self) -> None:
         """Raise ``RuntimeError('bug: ...')`` if an invariant of the class is broken."""
         if len(self._entries) > self.max_blocks:
             raise RuntimeError(f"bug: index holds {len(self._entries)} > {self.max_blocks}")
         counts: Counter[ReplicaId] = Counter()
+        confirmed: Counter[ReplicaId] = Counter()
         for h, holders in self._entries.items():
             if not holders:
                 raise RuntimeError(f"bug: empty replica set for block {h:#x}")
-            counts.update(holders)
-        if +counts != +self._per_replica:
+            counts.update(holders.keys())
+            confirmed.update(r for r, state in holders.items() if state is _CONFIRMED)
+        if +counts != +self._per_replica or +confirmed != +self._confirmed:
             raise RuntimeError(
-                f"bug: per-replica counts {dict(self._per_replica)} != {dict(counts)}"
+                f"bug: per-replica counts {dict(self._per_replica)} / {dict(self._confirmed)} "
+                f"!= {dict(counts)} / {dict(confirmed)}"
             )
+
+    def _clock(self, now: float | None) -> float:
+        if now is not None and now > self._now:
+            self._now = now
+        return self._now if now is None else now
+
+    def _holders(self, h: BlockHash) -> dict[ReplicaId, float | None]:
+        holders = self._entries.get(h)
+        if holders is None:
+            holders = self._entries[h] = {}
+        else:
+            self._entries.move_to_end(h)
+        return holders
+
+    def _drop(self, h: BlockHash, holders: dict[ReplicaId, float | None], replica: ReplicaId) -> None:
+        if holders.pop(replica) is _CONFIRMED:
+            self._uncount(self._confirmed, replica)
+        self._uncount(self._per_replica, replica)
+        if not holders:
+            del self._entries[h]
+
+    @staticmethod
+    def _uncount(counter: Counter[ReplicaId], replica: ReplicaId) -> None:
+        counter[replica] -= 1
+        if counter[replica] == 0:
+            del counter[replica]
 
     def _touch(self, hashes: Iterable[BlockHash]) -> None:
         for h in reversed(list(hashes)):
@@ -130,7 +240,16 @@ class PrefixIndex:
     def _evict(self) -> None:
         while len(self._entries) > self.max_blocks:
             _, holders = self._entries.popitem(last=False)
-            for r in holders:
-                self._per_replica[r] -= 1
-                if self._per_replica[r] == 0:
-                    del self._per_replica[r]
+            for r, state in holders.items():
+                if state is _CONFIRMED:
+                    self._uncount(self._confirmed, r)
+                self._uncount(self._per_replica, r)
+
+    def _compact_pending(self) -> None:
+        """Keep the expiry queue bounded: rebuild it from live predictions when it grows past
+        twice the pairs the index can hold (stale items pile up when predictions repeat)."""
+        if len(self._pending) <= 2 * self.max_blocks * max(1, len(self._event_fed)):
+            return
+        live = [(s, h, r) for h, holders in self._entries.items() for r, s in holders.items()
+                if s is not _CONFIRMED and r in self._event_fed]
+        self._pending = deque(sorted(live, key=lambda item: item[0]))

@@ -16,11 +16,12 @@ def test_defaults() -> None:
         1.5,
         0.3,
     )
-    assert (cfg.max_index_blocks, cfg.max_pins, cfg.repin_overload_factor) == (
+    assert (cfg.max_index_blocks, cfg.max_pins, cfg.move_queue_cost_tokens) == (
         200_000,
         100_000,
-        3.0,
+        256,
     )
+    assert cfg.predicted_ttl_s == 10.0
     assert (cfg.high_watermark, cfg.max_queue, cfg.queue_timeout_s) == (0.85, 256, 30.0)
     assert cfg.session_idle_s == 120.0
     assert "max_in_flight_per_replica" in PolicyConfig.field_names()
@@ -40,7 +41,8 @@ def test_is_frozen() -> None:
         ("cache_threshold", -0.1),
         ("max_index_blocks", 0),
         ("max_pins", 0),
-        ("repin_overload_factor", 0.5),
+        ("move_queue_cost_tokens", -1),
+        ("predicted_ttl_s", 0.0),
         ("high_watermark", 0.0),
         ("high_watermark", 1.01),
         ("max_queue", -1),
