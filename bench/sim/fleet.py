@@ -84,14 +84,14 @@ class Fleet:
         self._timed(lambda: self.router.end_key("session", session_id, now), decision=False)
 
     # -- routing -------------------------------------------------------------------------------
-    def _timed(self, fn, decision: bool = True):
+    def _timed(self, fn, decision: bool = True, opening: bool = False):
         t0 = time.perf_counter()
         out = fn()
-        self.rec.router_time(time.perf_counter() - t0, decision)
+        self.rec.router_time(time.perf_counter() - t0, decision, opening)
         return out
 
     def _route(self, item: Item, subs: tuple[int, ...], now: float) -> None:
-        h = self._timed(lambda: self.router.open(item, subs, now))
+        h = self._timed(lambda: self.router.open(item, subs, now), opening=True)
         self._place(h, now)
 
     def _place(self, h: Handle, now: float) -> None:

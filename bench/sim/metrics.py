@@ -38,6 +38,7 @@ class Recorder:
         self.decisions = 0
         self.decision_s = 0.0
         self.other_s = 0.0
+        self.open_s = 0.0
         self.requests = dict.fromkeys(replicas, 0)
         self.seen: set[int] = set()
         self.ideal_prefill = 0
@@ -48,7 +49,9 @@ class Recorder:
         self.engines: dict[str, dict] = {}
         self.end_s = 0.0
 
-    def router_time(self, seconds: float, decision: bool) -> None:
+    def router_time(self, seconds: float, decision: bool, opening: bool = False) -> None:
+        if opening:
+            self.open_s += seconds
         if decision:
             self.decision_s += seconds
         else:
@@ -109,6 +112,7 @@ class Recorder:
             "preemptions": sum(v["preemptions"] for v in e.values()),
             "recomputed_tokens": sum(v["recomputed"] for v in e.values()),
             "decision_us": 1e6 * self.decision_s / max(1, self.decisions), "decisions": self.decisions,
+            "place_admit_us": 1e6 * (self.decision_s - self.open_s) / max(1, self.decisions),
             "router_other_s": self.other_s, "sim_s": self.end_s,
         }
 
