@@ -8,7 +8,13 @@ Lifecycle: ``start()`` launches the server in its own process group on a free po
 ``{log_dir}/server.log`` (appended; one header per start) and waits for ``/health``;
 ``stop()`` sends SIGTERM to the group, then SIGKILL after a grace period. The server is
 launched through a shim that sets ``PR_SET_PDEATHSIG``, so it also dies if the actor is
-killed without ``stop()``.
+killed without ``stop()``; its engine core and workers die with their parents the same way
+(``replicas/launcher/sitecustomize.py``), and ``alive()`` reaps the whole group the moment it
+finds the server gone, so no engine process outlives its API server.
+
+The server binds ``cfg.host``, except that ``0.0.0.0`` / ``::`` become this node's address:
+a replica listens on loopback or on the one address its router uses, never on every interface.
+With an ``api_key`` the server requires it on every path but ``/health`` (``replicas.auth``).
 """
 
 from __future__ import annotations
@@ -26,7 +32,8 @@ from pathlib import Path
 import aiohttp
 import ray
 
-from replicas import ops
+from replicas import ops, procs
+from replicas.auth import bearer
 from replicas.config import ReplicaSetConfig
 from replicas.server import FRONTEND_CPUS_ENV, build_command, build_env, free_port
 
@@ -62,8 +69,10 @@ class ReplicaInfo:
 class VllmReplica:
     """Owns one vLLM server subprocess; every method is async and never blocks the loop."""
 
-    def __init__(self, cfg: ReplicaSetConfig, index: int, model_path: str, log_dir: str) -> None:
+    def __init__(self, cfg: ReplicaSetConfig, index: int, model_path: str, log_dir: str,
+                 api_key: str | None = None) -> None:
         self._cfg = cfg
+        self._api_key = api_key
         self._index = index
         self._model_path = model_path
         self._log_path = Path(log_dir) / "server.log"
@@ -77,7 +86,7 @@ class VllmReplica:
             raise RuntimeError(f"replica {self._index} is already running (pid {self._proc.pid})")
         for attempt in range(1, PORT_ATTEMPTS + 1):
             try:
-                self._launch(free_port(self._cfg.host))
+                self._launch(free_port(self._bind_host()))
                 await self._wait_healthy()
                 return await self.info()
             except _PortTaken:
@@ -88,13 +97,23 @@ class VllmReplica:
         """Base URL, server pid, and ``block_size`` / ``num_gpu_blocks`` from ``/metrics``."""
         if self._proc is None:
             raise RuntimeError(f"replica {self._index} was never started")
-        async with _session() as session:
+        async with self._session() as session:
             m = await ops.fetch_metrics(session, self._base_url)
         return ReplicaInfo(self._base_url, self._proc.pid, m.block_size, m.num_gpu_blocks, str(self._log_path))
 
     async def alive(self) -> bool:
-        """True while the server process runs (says nothing about ``/health``)."""
-        return self._proc is not None and self._proc.poll() is None
+        """True while the server process runs (says nothing about ``/health``). A server found
+        dead has the rest of its process group (engine core, workers) killed at once."""
+        if self._proc is None:
+            return False
+        if self._proc.poll() is None:
+            return True
+        _signal_group(self._proc.pid, signal.SIGKILL)
+        return False
+
+    async def group_pids(self) -> list[int]:
+        """Live (not zombie) processes of this replica's process group; ``[]`` once stopped."""
+        return procs.group_members(self._proc.pid) if self._proc is not None else []
 
     async def stop(self) -> int | None:
         """Terminate the server's process group (SIGTERM, then SIGKILL); return its exit code."""
@@ -109,11 +128,18 @@ class VllmReplica:
         _signal_group(proc.pid, signal.SIGKILL)  # stragglers left in the group
         return proc.returncode
 
-    def _launch(self, port: int) -> None:
+    def _bind_host(self) -> str:
         host = self._cfg.host
-        url_host = ray.util.get_node_ip_address() if host in ("0.0.0.0", "::") else host
-        self._base_url = f"http://{url_host}:{port}"
-        cmd = build_command(self._cfg, self._model_path, port)
+        return ray.util.get_node_ip_address() if host in ("0.0.0.0", "::") else host
+
+    def _session(self) -> aiohttp.ClientSession:
+        headers = bearer(self._api_key) if self._api_key else None
+        return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10), headers=headers)
+
+    def _launch(self, port: int) -> None:
+        host = self._bind_host()
+        self._base_url = f"http://{host}:{port}"
+        cmd = build_command(self._cfg, self._model_path, port, host=host, auth=bool(self._api_key))
         self._log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self._log_path, "a", encoding="utf-8") as log:
             log.write(f"\n===== start {time.strftime('%Y-%m-%d %H:%M:%S')} port {port}: {' '.join(cmd)}\n")
@@ -121,14 +147,14 @@ class VllmReplica:
             self._log_offset = log.tell()
             self._proc = subprocess.Popen(
                 [sys.executable, "-c", _DIE_WITH_PARENT, *cmd],
-                env=build_env(self._cfg, self._index),
+                env=build_env(self._cfg, self._index, api_key=self._api_key),
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
 
     async def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self._cfg.startup_timeout_s
-        async with _session() as session:
+        async with self._session() as session:
             while True:
                 if self._proc.poll() is not None:
                     code = await self.stop()
@@ -159,10 +185,6 @@ VllmReplicaActor = ray.remote(num_cpus=0)(VllmReplica)
 
 class _PortTaken(Exception):
     """The server lost its port to another process between ``free_port()`` and bind."""
-
-
-def _session() -> aiohttp.ClientSession:
-    return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
 
 
 def _signal_group(pid: int, sig: int) -> None:

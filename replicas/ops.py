@@ -1,7 +1,8 @@
 """Small async helpers over one replica's HTTP API.
 
 Each takes the caller's ``aiohttp.ClientSession`` (one persistent session per owner, never one
-per call) and the replica's base URL (``http://host:port``, no trailing slash).
+per call) and the replica's base URL (``http://host:port``, no trailing slash). Each sends the
+replica's key when this process holds it (``replicas.auth.PROCESS_KEYS``).
 """
 
 from __future__ import annotations
@@ -10,12 +11,13 @@ import asyncio
 
 import aiohttp
 
+from replicas.auth import headers_for
 from replicas.metrics import VllmMetrics, parse_vllm_metrics
 
 
 async def fetch_metrics_text(session: aiohttp.ClientSession, base_url: str) -> str:
     """The raw Prometheus text of ``GET /metrics``; raises ``aiohttp.ClientError`` on failure."""
-    async with session.get(f"{base_url}/metrics") as resp:
+    async with session.get(f"{base_url}/metrics", headers=headers_for(base_url)) as resp:
         resp.raise_for_status()
         return await resp.text()
 
@@ -34,7 +36,7 @@ async def reset_prefix_cache(
     requests); retry later, or pass ``reset_running_requests=True`` to preempt them first.
     """
     params = {"reset_running_requests": "true"} if reset_running_requests else None
-    async with session.post(f"{base_url}/reset_prefix_cache", params=params) as resp:
+    async with session.post(f"{base_url}/reset_prefix_cache", params=params, headers=headers_for(base_url)) as resp:
         resp.raise_for_status()
         return bool((await resp.json()).get("success", False))
 

@@ -4,6 +4,7 @@ Every call is sent with ``Connection: close``. When a dev endpoint fails inside 
 (``/collective_rpc`` -> HTTP 500), vLLM's server drops the TCP connection after answering; a
 pooled keep-alive connection reused for the next call (typically ``/resume``) then fails with
 ``ConnectionResetError``. Control calls are rare, so a fresh connection each costs nothing.
+Every call carries the replica's key when this process holds it (``replicas.auth``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 import aiohttp
+
+from replicas.auth import headers_for
 
 CLOSE = {"Connection": "close"}
 
@@ -55,7 +58,7 @@ async def call(
     timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s is not None else None
     try:
         async with http.request(
-            method, url, params=params, json=body, headers=CLOSE, timeout=timeout
+            method, url, params=params, json=body, headers={**CLOSE, **headers_for(url)}, timeout=timeout
         ) as resp:
             return Answer(resp.status, _parse(await resp.text()))
     except asyncio.TimeoutError:

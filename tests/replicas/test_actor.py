@@ -18,7 +18,7 @@ from tests.replicas.fake_server import FAKE_SERVER
 
 
 def _fake(code: str):
-    return lambda cfg, model_path, port: [sys.executable, "-c", code, "--port", str(port)]
+    return lambda cfg, model_path, port, **kw: [sys.executable, "-c", code, "--port", str(port)]
 
 
 def _alive(pid: int) -> bool:
@@ -67,7 +67,7 @@ def test_server_dies_with_its_owner(tmp_path):
     owner_code = (
         "import asyncio, sys\n"
         "from replicas import actor\n"
-        f"actor.build_command = lambda cfg, m, port: [sys.executable, '-c', {FAKE_SERVER!r}, '--port', str(port)]\n"
+        f"actor.build_command = lambda cfg, m, port, **kw: [sys.executable, '-c', {FAKE_SERVER!r}, '--port', str(port)]\n"
         "from replicas.config import ReplicaSetConfig\n"
         f"r = actor.VllmReplica(ReplicaSetConfig(), 0, 'unused', {str(tmp_path)!r})\n"
         "info = asyncio.run(r.start())\n"

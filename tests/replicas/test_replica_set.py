@@ -9,6 +9,7 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
+from replicas.auth import PROCESS_KEYS
 from replicas.metrics import VllmMetrics, delta, scoring_cap_active
 from replicas.ops import fetch_metrics, fetch_metrics_text, is_healthy, reset_prefix_cache
 
@@ -18,7 +19,7 @@ BLOCK = 32
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def http():
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120), middlewares=(PROCESS_KEYS,)) as session:
         yield session
 
 
