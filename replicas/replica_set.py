@@ -1,8 +1,15 @@
 """ReplicaSet: start, restart and stop N vLLM replicas under Ray, and describe them to the router.
 
 Replica ``i`` is named ``replica-{i}`` for the set's whole life; a restart keeps the name and
-gets a new actor, port and base URL. With ``cfg.urls`` the set only wraps existing servers
+gets a new actor, port, base URL and key. With ``cfg.urls`` the set only wraps existing servers
 (no Ray, nothing launched, no restart).
+
+While running, the set supervises its replicas (``replicas.supervisor``: restart a dead or
+wedged one, with backoff and a restart budget), can ``add`` and ``remove`` (optionally drain)
+replicas, and publishes every change as a :class:`~replicas.events.ReplicaEvent` to handlers
+registered with :meth:`ReplicaSet.subscribe`. Each launched replica has its own key
+(``replicas.auth``); the set's own calls and anyone using ``rs.auth`` as a client middleware
+send it.
 """
 
 from __future__ import annotations
@@ -13,18 +20,24 @@ import os
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import aiohttp
 
 from cache_policy.types import ReplicaId
 from replicas import ops
+from replicas.auth import PROCESS_KEYS, ReplicaAuth, new_key
 from replicas.config import ReplicaSetConfig
+from replicas.events import EventBus, Handler
+from replicas.kv_events import KvEventSource, fetch_source
+from replicas.membership import Membership
 from replicas.metrics import scoring_cap_active
+from replicas.ray_users import _LOCAL_RAY, RAY_INIT_ATTEMPTS, _RayUsers  # noqa: F401 - re-exported
+from replicas.supervisor import SupervisionConfig, Supervisor
 
 STOP_TIMEOUT_S = 60.0
-RAY_INIT_ATTEMPTS = 3
 logger = logging.getLogger(__name__)
 
 
@@ -38,6 +51,10 @@ class ReplicaEndpoint:
     num_gpu_blocks: int
     model: str
     scoring_cap: bool = False
+    kv_events: KvEventSource | None = None
+    """Where the replica publishes KV cache events (``GET /kv_event_sources``); None: it does not."""
+    api_key: str | None = field(default=None, repr=False)
+    """The replica's key (``Authorization: Bearer``) for every path but ``/health``; None: none needed."""
 
 
 def replica_id(index: int) -> ReplicaId:
@@ -45,15 +62,22 @@ def replica_id(index: int) -> ReplicaId:
     return ReplicaId(f"replica-{index}")
 
 
-class ReplicaSet:
+class ReplicaSet(Membership):
     """The replicas of one ``ReplicaSetConfig``; use as ``async with ReplicaSet(cfg) as rs:``.
 
     ``endpoints`` is ordered by index and only holds started replicas. The set owns its actors
-    and its share of Ray (see ``_RayUsers``) and releases them in ``stop()``.
+    and its share of Ray (see ``RayUsers``) and releases them in ``stop()``. ``supervision``
+    configures the health/restart loop (``SupervisionConfig(enabled=False)`` turns it off).
     """
 
-    def __init__(self, cfg: ReplicaSetConfig | None = None) -> None:
+    def __init__(self, cfg: ReplicaSetConfig | None = None, supervision: SupervisionConfig | None = None) -> None:
         self.cfg = cfg or ReplicaSetConfig()
+        self.auth = ReplicaAuth(mirror=PROCESS_KEYS)
+        """Keys of the live replicas by origin; an aiohttp client middleware (``replicas.auth``)."""
+        self.events = EventBus()
+        self._supervisor = Supervisor(self, supervision or SupervisionConfig(), self.events)
+        self._next_index = 0
+        self._leaving: set[int] = set()
         self._endpoints: dict[int, ReplicaEndpoint] = {}
         self._actors: dict[int, object] = {}
         self._model_path = ""
@@ -75,7 +99,7 @@ class ReplicaSet:
         """Start every replica concurrently (or wrap ``cfg.urls``) and return their endpoints."""
         if self._session is not None:
             raise RuntimeError("ReplicaSet.start() called twice; stop() it first")
-        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30))
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30), middlewares=(self.auth,))
         try:
             if self.cfg.urls:
                 await self._wrap_urls()
@@ -84,7 +108,18 @@ class ReplicaSet:
         except BaseException:
             await self.stop()
             raise
+        self._supervisor.start()
         return self.endpoints
+
+    def subscribe(self, handler: Handler) -> Callable[[], None]:
+        """Receive every :class:`~replicas.events.ReplicaEvent` from now on (``handler(event)``,
+        sync or async; see ``replicas.events`` for the kinds); returns the unsubscribe function."""
+        return self.events.subscribe(handler)
+
+    @property
+    def health_session(self) -> aiohttp.ClientSession:
+        """The set's own HTTP session (sends the replicas' keys)."""
+        return self._session
 
     async def restart(self, rid: ReplicaId) -> ReplicaEndpoint:
         """Stop replica ``rid`` (if still alive) and start a fresh one under the same name."""
@@ -93,14 +128,17 @@ class ReplicaSet:
         index = _index(rid)
         if index not in self._actors:
             raise KeyError(f"no launched replica {rid!r}; known: {[e.replica_id for e in self.endpoints]}")
-        self._endpoints.pop(index, None)
+        self._forget_endpoint(index)
         await self._stop_actor(self._actors.pop(index))
         return await self._launch(index)
 
     async def stop(self) -> None:
-        """Stop every replica, close the HTTP session, and release this set's share of Ray."""
+        """Stop supervision and every replica, close the HTTP session, release this set's share of Ray."""
+        await self._supervisor.stop()
+        await self.events.close()
         actors, self._actors = self._actors, {}
         self._endpoints.clear()
+        self.auth.clear()
         await asyncio.gather(*(self._stop_actor(a) for a in actors.values()))
         if self._session is not None:
             await self._session.close()
@@ -116,6 +154,51 @@ class ReplicaSet:
     async def __aexit__(self, *exc) -> None:
         await self.stop()
 
+    def watched(self) -> dict[int, ReplicaEndpoint]:
+        """Supervisor hook: the ready replicas by index, less those being removed (a copy)."""
+        return {i: e for i, e in self._endpoints.items() if i not in self._leaving}
+
+    def managed(self, index: int) -> bool:
+        """Supervisor hook: True if this set launched replica ``index`` (it can restart it)."""
+        return index in self._actors
+
+    async def process_alive(self, index: int) -> bool:
+        """Supervisor hook: is replica ``index``'s server process running? Raises Ray's errors
+        when its actor is gone."""
+        return await self._actors[index].alive.remote()
+
+    async def info(self, rid: ReplicaId):
+        """The launched replica's :class:`~replicas.actor.ReplicaInfo` (URL, server pid = its
+        process group id, log path); ``KeyError`` for one not launched here."""
+        return await self._actors[_index(rid)].info.remote()
+
+    async def give_up(self, index: int, reason: str) -> None:
+        """Supervisor hook: stop replica ``index`` for good (the supervisor publishes ``removed``)."""
+        logger.error("replica %s stopped for good: %s", replica_id(index), reason)
+        await self._drop(index)
+
+    def _require_started(self) -> None:
+        if self._session is None:
+            raise RuntimeError("ReplicaSet is not started; call start() (or use 'async with') first")
+
+    def _take_index(self, wanted: int | None = None) -> int:
+        index = self._next_index if wanted is None else wanted
+        self._next_index = max(self._next_index, index + 1)
+        return index
+
+    def _forget_endpoint(self, index: int) -> None:
+        endpoint = self._endpoints.pop(index, None)
+        if endpoint is not None:
+            self.auth.discard(endpoint)
+
+    async def _drop(self, index: int) -> None:
+        self._leaving.discard(index)
+        self._forget_endpoint(index)
+        actor = self._actors.pop(index, None)
+        if actor is not None:
+            await self._stop_actor(actor)
+
+
     async def _probe_scoring_cap(self, base_url: str) -> bool:
         """Hook: does this replica run our scoring-cap plugin? True iff its ``/metrics`` has
         ``rollout_router_scoring_cap_active`` = 1 (the plugin exports it); False otherwise."""
@@ -125,10 +208,14 @@ class ReplicaSet:
 
     async def _wrap_urls(self) -> None:
         for index, url in enumerate(self.cfg.urls):
-            if not await ops.is_healthy(self._session, url):
-                raise RuntimeError(f"ReplicaSetConfig.urls[{index}] {url} does not answer GET /health")
-            m = await ops.fetch_metrics(self._session, url)
-            self._endpoints[index] = await self._endpoint(index, url, m.block_size, m.num_gpu_blocks)
+            await self._wrap(self._take_index(index), url, f"ReplicaSetConfig.urls[{index}]")
+
+    async def _wrap(self, index: int, url: str, what: str) -> ReplicaEndpoint:
+        if not await ops.is_healthy(self._session, url):
+            raise RuntimeError(f"{what} {url} does not answer GET /health")
+        m = await ops.fetch_metrics(self._session, url)
+        self._endpoints[index] = await self._endpoint(index, url, m.block_size, m.num_gpu_blocks)
+        return self._endpoints[index]
 
     async def _launch_all(self) -> None:
         from replicas.server import resolve_model
@@ -136,7 +223,7 @@ class ReplicaSet:
         self._model_path = await asyncio.to_thread(resolve_model, self.cfg)
         await self._init_ray()
         results = await asyncio.gather(
-            *(self._launch(i) for i in range(self.cfg.num_replicas)), return_exceptions=True
+            *(self._launch(self._take_index(i)) for i in range(self.cfg.num_replicas)), return_exceptions=True
         )
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
@@ -147,14 +234,17 @@ class ReplicaSet:
 
         num_gpus = 1 if self.cfg.engine == "gpu" else 0
         log_dir = str(self.log_dir / replica_id(index))
-        actor = VllmReplicaActor.options(num_gpus=num_gpus).remote(self.cfg, index, self._model_path, log_dir)
+        key = new_key()
+        actor = VllmReplicaActor.options(num_gpus=num_gpus).remote(self.cfg, index, self._model_path, log_dir, key)
         self._actors[index] = actor
         info = await actor.start.remote()
-        endpoint = await self._endpoint(index, info.base_url, info.block_size, info.num_gpu_blocks)
+        endpoint = await self._endpoint(index, info.base_url, info.block_size, info.num_gpu_blocks, key)
         self._endpoints[index] = endpoint
         return endpoint
 
-    async def _endpoint(self, index: int, url: str, block_size: int, num_gpu_blocks: int) -> ReplicaEndpoint:
+    async def _endpoint(self, index: int, url: str, block_size: int, num_gpu_blocks: int,
+                        api_key: str | None = None) -> ReplicaEndpoint:
+        self.auth.set_key(url, api_key)  # the probes below must already send the key
         return ReplicaEndpoint(
             replica_id=replica_id(index),
             base_url=url,
@@ -162,6 +252,8 @@ class ReplicaSet:
             num_gpu_blocks=num_gpu_blocks,
             model=self.cfg.served_model_name,
             scoring_cap=await self._probe_scoring_cap(url),
+            kv_events=await fetch_source(self._session, url),
+            api_key=api_key,
         )
 
     async def _init_ray(self) -> None:
@@ -180,56 +272,6 @@ class ReplicaSet:
         ray.kill(actor, no_restart=True)
 
 
-class _RayUsers:
-    """Ray is one per process: count the ReplicaSets using it, and shut down only a Ray
-    instance that a ReplicaSet started, when the last of them stops."""
-
-    def __init__(self) -> None:
-        self.users = 0
-        self.started_here = False
-        self._lock: asyncio.Lock | None = None
-        self._lock_loop: asyncio.AbstractEventLoop | None = None
-
-    async def acquire(self, address: str | None) -> None:
-        import ray
-
-        async with self._loop_lock():
-            if self.users == 0 and not ray.is_initialized():
-                await self._init(ray, address)
-                self.started_here = True
-            self.users += 1
-
-    @staticmethod
-    async def _init(ray, address: str | None) -> None:
-        # A local raylet gets a fixed 30 s to register; on an overloaded machine it can miss it.
-        kwargs = {"include_dashboard": False} if address is None else {}
-        for attempt in range(1, RAY_INIT_ATTEMPTS + 1):
-            try:
-                await asyncio.to_thread(ray.init, address=address, ignore_reinit_error=True,
-                                        log_to_driver=False, **kwargs)
-                return
-            except Exception as exc:  # Ray raises a bare Exception on a startup timeout
-                await asyncio.to_thread(ray.shutdown)
-                if attempt == RAY_INIT_ATTEMPTS:
-                    raise RuntimeError(f"ray.init(address={address!r}) failed {attempt} times: {exc}") from exc
-                logger.warning("ray.init failed (attempt %d of %d), retrying: %s", attempt, RAY_INIT_ATTEMPTS, exc)
-
-    async def release(self) -> None:
-        import ray
-
-        self.users -= 1
-        if self.users == 0 and self.started_here:
-            self.started_here = False
-            await asyncio.to_thread(ray.shutdown)
-
-    def _loop_lock(self) -> asyncio.Lock:
-        loop = asyncio.get_running_loop()
-        if self._lock_loop is not loop:
-            self._lock, self._lock_loop = asyncio.Lock(), loop
-        return self._lock
-
-
-_LOCAL_RAY = _RayUsers()
 
 
 def _index(rid: ReplicaId) -> int:

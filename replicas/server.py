@@ -5,14 +5,21 @@ The actor (``replicas.actor``) runs what these build; nothing here starts a proc
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import sys
+from pathlib import Path
 
+from replicas.auth import KEY_ENV, MIDDLEWARE
 from replicas.config import TINY_MODEL, ReplicaSetConfig, parse_cpu_list
 from replicas.vllm_plugin.contract import INVARIANT_ATTENTION_ENV
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+LAUNCHER_DIR = Path(__file__).parent / "launcher"
+"""Holds the ``sitecustomize`` every replica process runs first (see ``launcher/sitecustomize.py``)."""
+DIE_WITH_PARENT_ENV = "ROLLOUT_ROUTER_DIE_WITH_PARENT"
+"""Set in a replica's environment: its processes ask to be killed when their parent dies."""
 
 
 def resolve_model(cfg: ReplicaSetConfig) -> str:
@@ -24,13 +31,18 @@ def resolve_model(cfg: ReplicaSetConfig) -> str:
     return str(ensure_tiny_model())
 
 
-def build_command(cfg: ReplicaSetConfig, model_path: str, port: int) -> list[str]:
-    """argv for one replica's OpenAI server on ``cfg.host:port``."""
+def build_command(cfg: ReplicaSetConfig, model_path: str, port: int, *, host: str | None = None,
+                  auth: bool = False) -> list[str]:
+    """argv for one replica's OpenAI server on ``host`` (default ``cfg.host``) and ``port``.
+
+    ``auth``: load :class:`replicas.auth.ReplicaAuthMiddleware` (``--middleware``), which then
+    requires the key that :func:`build_env` puts in the environment on every non-health path.
+    """
     cmd = [
         sys.executable, "-m", SERVER_MODULE,
         "--model", model_path,
         "--served-model-name", cfg.served_model_name,
-        "--host", cfg.host,
+        "--host", host or cfg.host,
         "--port", str(port),
         "--dtype", cfg.dtype,
         "--max-model-len", str(cfg.max_model_len),
@@ -47,16 +59,46 @@ def build_command(cfg: ReplicaSetConfig, model_path: str, port: int) -> list[str
         cmd += ["--max-num-batched-tokens", str(cfg.max_num_batched_tokens)]
     if cfg.max_num_seqs is not None:
         cmd += ["--max-num-seqs", str(cfg.max_num_seqs)]
-    return cmd + list(cfg.extra_args)
+    return cmd + kv_events_args(cfg) + list(cfg.extra_args)
+
+
+def kv_events_args(cfg: ReplicaSetConfig) -> list[str]:
+    """``--kv-events-config``: publish KV cache events on a ZMQ PUB socket with a replay socket,
+    both bound on OS-chosen ports of ``VLLM_HOST_IP`` (see ``replicas.kv_events``); none when
+    ``cfg.extra_args`` configures events itself."""
+    if any(a.startswith("--kv-events-config") for a in cfg.extra_args):
+        return []
+    from replicas.kv_events import TOPIC
+
+    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:0",
+              "replay_endpoint": "tcp://*:0", "topic": TOPIC}
+    return ["--kv-events-config", json.dumps(config)]
+
+
+def kv_events_host(cfg: ReplicaSetConfig) -> dict[str, str]:
+    """``VLLM_HOST_IP`` = ``cfg.host`` unless it is a wildcard: the address the engine binds its
+    KV event sockets on (a wildcard host leaves it to vLLM: the node's outward address)."""
+    return {} if cfg.host in ("0.0.0.0", "::", "") else {"VLLM_HOST_IP": cfg.host}
 
 
 FRONTEND_CPUS_ENV = "ROLLOUT_ROUTER_FRONTEND_CPUS"
 """Read (and removed) by the replica launcher shim in ``replicas/actor.py`` before it execs vLLM."""
 
 
-def build_env(cfg: ReplicaSetConfig, index: int, base: dict[str, str] | None = None) -> dict[str, str]:
-    """Environment for replica ``index``: ``base`` (default ``os.environ``) plus our knobs."""
+def build_env(cfg: ReplicaSetConfig, index: int, base: dict[str, str] | None = None,
+              api_key: str | None = None) -> dict[str, str]:
+    """Environment for replica ``index``: ``base`` (default ``os.environ``) plus our knobs.
+
+    Every Python process of the replica (API server, engine core, workers) starts with
+    ``replicas/launcher`` on ``PYTHONPATH``, whose ``sitecustomize`` makes it die with its
+    parent (``PR_SET_PDEATHSIG``). ``api_key`` goes to ``KEY_ENV`` for the auth middleware.
+    """
     env = dict(os.environ if base is None else base)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(LAUNCHER_DIR), env.get("PYTHONPATH", "")]))
+    env[DIE_WITH_PARENT_ENV] = "1"
+    env.pop(KEY_ENV, None)
+    if api_key:
+        env[KEY_ENV] = api_key
     env["VLLM_SERVER_DEV_MODE"] = "1"  # /reset_prefix_cache, /collective_rpc, /pause, /resume
     env["PYTHONUNBUFFERED"] = "1"
     if cfg.engine == "cpu":
@@ -68,6 +110,7 @@ def build_env(cfg: ReplicaSetConfig, index: int, base: dict[str, str] | None = N
             env[FRONTEND_CPUS_ENV] = ",".join(map(str, parse_cpu_list(cfg.frontend_cpus)))
     if not cfg.enable_plugin:
         env["VLLM_PLUGINS"] = ""
+    env.update(kv_events_host(cfg))
     env.update(cfg.extra_env)
     return env
 
