@@ -1,13 +1,17 @@
 """Domain errors and the one middleware that turns them into OpenAI-style JSON errors.
 
 Caller mistakes are 4xx naming the field; a replica failure that cannot be retried is 502;
-no eligible replica is 503; an overloaded router is 429 with Retry-After.
+no eligible replica is 503; an overloaded router is 429 with Retry-After. The router's own code
+never answers 5xx to a request on purpose: an exception nobody expected is the last line, a 500
+carrying an error id that is logged with its traceback, never aiohttp's bare page.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
+import uuid
 
 from aiohttp import web
 
@@ -35,8 +39,24 @@ class BadRequest(RouterError):
 
 
 class Unauthorized(RouterError):
+    """Missing or wrong credentials (401)."""
+
     status = 401
     type = "authentication_error"
+
+
+class PayloadTooLarge(RouterError):
+    """The request body is over ``router.max_body_bytes`` (413)."""
+
+    status = 413
+    type = "invalid_request_error"
+
+
+class RequestTimeout(RouterError):
+    """The client sent its body too slowly (408, past ``router.body_timeout_s``)."""
+
+    status = 408
+    type = "invalid_request_error"
 
 
 class NoReplica(RouterError):
@@ -61,8 +81,21 @@ class UpstreamError(RouterError):
 
 
 REPLICA_PARAMS = {"input_tokens": {"completions": "prompt", "chat": "messages", "score": "context"},
+                  "input_text": {"completions": "prompt", "chat": "messages", "score": "context"},
                   "body.model": {"completions": "model", "chat": "model", "score": "model"}}
 """vLLM's names for fields (``error.param`` in its 4xx answers) -> this router's request fields."""
+
+REQUEST_FIELDS = frozenset("""
+    prompt messages model max_tokens max_completion_tokens n stream stream_options temperature top_p top_k
+    min_p seed stop stop_token_ids presence_penalty frequency_penalty repetition_penalty logprobs
+    top_logprobs prompt_logprobs logit_bias min_tokens ignore_eos echo suffix user best_of response_format
+    structured_outputs tool_choice tools add_generation_prompt continue_final_message add_special_tokens
+    chat_template_kwargs documents reasoning_effort skip_special_tokens spaces_between_special_tokens
+    include_stop_str_in_output allowed_token_ids bad_words vllm_xargs cache_salt priority length_penalty
+    return_tokens_as_token_ids return_token_ids logits_processors kv_transfer_params parallel_tool_calls
+    """.split())
+"""OpenAI/vLLM request fields a replica's error message may name when its ``param`` is null."""
+_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 def router_param(param: object, endpoint: str) -> object:
@@ -71,11 +104,20 @@ def router_param(param: object, endpoint: str) -> object:
     return REPLICA_PARAMS.get(param, {}).get(endpoint, param) if isinstance(param, str) else param
 
 
+def param_in_message(message: object) -> str | None:
+    """The first request field a replica's error message names (``"temperature must be ..."``)."""
+    if not isinstance(message, str):
+        return None
+    return next((w for w in _WORD.findall(message[:500]) if w in REQUEST_FIELDS), None)
+
+
 def with_router_param(payload: dict, endpoint: str) -> dict:
-    """A replica's JSON error answer with ``error.param`` renamed by :func:`router_param`."""
+    """A replica's JSON error answer with ``error.param`` renamed by :func:`router_param`; a null
+    ``param`` becomes the field the message names (else ``"body"``): never null on a 4xx."""
     error = payload.get("error")
-    if isinstance(error, dict) and "param" in error:
-        payload = {**payload, "error": {**error, "param": router_param(error["param"], endpoint)}}
+    if isinstance(error, dict):
+        param = error.get("param") or param_in_message(error.get("message")) or "body"
+        payload = {**payload, "error": {**error, "param": router_param(param, endpoint)}}
     return payload
 
 
@@ -98,3 +140,8 @@ async def error_middleware(request: web.Request, handler):
         if exc.status < 400:
             raise
         return error_response(exc.status, exc.reason, type_="http_error", headers=None)
+    except Exception:  # the last line: a bug, never a bare page (asyncio.CancelledError passes)
+        error_id = uuid.uuid4().hex[:12]
+        log.exception("unexpected error %s on %s %s", error_id, request.method, request.path)
+        return error_response(500, f"internal error {error_id}: the router logged it; please report it",
+                              type_="internal_error")

@@ -2,21 +2,54 @@
 
 Routing keys (`session_id`, `group_id`, `weight_version`) come from headers
 (`X-Session-Id`, `X-Group-Id`, `X-Weight-Version`) or body fields; body fields are removed
-before forwarding, so replicas see a plain OpenAI request. Every error is a `BadRequest`
-naming the field.
+before forwarding, so replicas see a plain OpenAI request. The tenant comes from the edge
+(`router.auth`), never from the body. Every error is a `BadRequest` naming the field; checks
+that need no tokenizer (sizes against :class:`Limits`) run here, before any work.
 """
 
 from __future__ import annotations
 
-import json
+import re
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, Literal, Mapping
 
+from router.body import load_json_object
 from router.errors import BadRequest
+from router.schemas import MAX_TOP_LOGPROBS, ChatRequest, CompletionRequest, ScoreBody, validate_body
 
 Endpoint = Literal["completions", "chat"]
 ROUTING_FIELDS = ("session_id", "group_id", "weight_version")
 HEADER_FOR = {"session_id": "X-Session-Id", "group_id": "X-Group-Id", "weight_version": "X-Weight-Version"}
+MAX_WEIGHT_VERSION = 2**63 - 1
+_DIGITS = re.compile(r"[0-9]{1,19}")
+__all__ = ["Limits", "ParsedRequest", "RoutingKeys", "ScoreRequest", "load_json_object", "parse_chat",
+           "parse_completion", "parse_score"]
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bounds a request must respect before any work is done on it (from ``AppConfig``)."""
+
+    max_model_len: int
+    max_prompt_chars: int
+    max_n: int
+    max_score_responses: int
+    max_key_chars: int
+
+    @classmethod
+    def of(cls, cfg: Any) -> "Limits":
+        """The limits of an ``AppConfig``."""
+        r = cfg.router
+        return cls(cfg.max_model_len, cfg.max_prompt_chars, r.max_n, r.max_score_responses, r.max_key_chars)
+
+
+@lru_cache(maxsize=1)
+def default_limits() -> Limits:
+    """The limits of the default ``AppConfig``."""
+    from router.config import AppConfig
+
+    return Limits.of(AppConfig())
 
 
 @dataclass(frozen=True)
@@ -26,6 +59,10 @@ class RoutingKeys:
     session_id: str | None = None
     group_id: str | None = None
     weight_version: int | None = None
+    tenant: str | None = None
+    """Tenant identity (folded into the cache salt by the decision core)."""
+    end_session: bool = False
+    """This is the session's last turn: its pin is released when it finishes."""
 
 
 @dataclass(frozen=True)
@@ -44,55 +81,72 @@ class ParsedRequest:
     messages: list[dict[str, Any]] | None = None
 
 
-def load_json_object(raw: bytes) -> dict[str, Any]:
-    """Decode a JSON object body; BadRequest on invalid JSON or a non-object."""
+def _key_text(name: str, value: Any, limits: Limits) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise BadRequest(f"'{name}' must be a string or an integer", param=name)
+    text = str(value)
+    if len(text) > limits.max_key_chars:
+        raise BadRequest(f"'{name}' is {len(text)} characters; at most {limits.max_key_chars}", param=name)
+    if not text.isprintable() or not text.isascii() and not _encodable(text):
+        raise BadRequest(f"'{name}' must be printable text", param=name)
+    return text
+
+
+def _encodable(text: str) -> bool:
     try:
-        body = json.loads(raw or b"null")
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise BadRequest(f"request body is not valid JSON: {exc}", param="body") from exc
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object", param="body")
-    return body
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
-def _routing_keys(body: dict[str, Any], headers: Mapping[str, str]) -> RoutingKeys:
+def _weight_version(value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, str) and _DIGITS.fullmatch(value.strip()):
+        value = int(value.strip())
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_WEIGHT_VERSION:
+        raise BadRequest(f"'weight_version' must be an integer >= 0, got {str(value)[:40]!r}", param="weight_version")
+    return value
+
+
+def routing_keys(body: dict[str, Any], headers: Mapping[str, str], limits: Limits | None = None,
+                 tenant: str | None = None) -> RoutingKeys:
+    """Pop the routing fields from ``body`` and merge them with their headers (they must agree)."""
+    limits = limits or default_limits()
     values: dict[str, Any] = {}
     for name in ROUTING_FIELDS:
         value, header = body.pop(name, None), headers.get(HEADER_FOR[name])
         if value is not None and header is not None and str(value) != header:
-            raise BadRequest(f"'{name}' is {value!r} in the body but {header!r} in header {HEADER_FOR[name]}; "
-                             "send it once", param=name)
+            raise BadRequest(f"'{name}' is {str(value)[:40]!r} in the body but {header[:40]!r} in header "
+                             f"{HEADER_FOR[name]}; send it once", param=name)
         values[name] = header if value is None else value
-    for name in ("session_id", "group_id"):
-        value = values[name]
-        if value is not None and not isinstance(value, (str, int)) or isinstance(value, bool):
-            raise BadRequest(f"'{name}' must be a string or an integer", param=name)
-        values[name] = None if value is None else str(value)
-    version = values["weight_version"]
-    if version is not None:
-        if isinstance(version, str) and version.strip().isdigit():
-            version = int(version)
-        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-            raise BadRequest(f"'weight_version' must be an integer >= 0, got {version!r}", param="weight_version")
-    return RoutingKeys(values["session_id"], values["group_id"], version)
+    return RoutingKeys(_key_text("session_id", values["session_id"], limits),
+                       _key_text("group_id", values["group_id"], limits),
+                       _weight_version(values["weight_version"]), tenant)
+
+
+_routing_keys = routing_keys  # the name router.score imported
 
 
 def _is_token_ids(value: Any) -> bool:
-    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    return isinstance(value, list) and all(type(t) is int for t in value)
 
 
-def _validate_prompt(prompt: Any) -> str | list[int]:
+def _validate_prompt(prompt: Any, limits: Limits) -> str | list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and (isinstance(prompt[0], str) or _is_token_ids(prompt[0])):
         prompt = prompt[0]
     if isinstance(prompt, str):
         if not prompt:
             raise BadRequest("'prompt' must not be empty", param="prompt")
+        if len(prompt) > limits.max_prompt_chars:
+            raise BadRequest(f"'prompt' is {len(prompt)} characters; at most {limits.max_prompt_chars} "
+                             "(router.max_prompt_chars)", param="prompt")
         return prompt
     if _is_token_ids(prompt):
-        if not prompt:
-            raise BadRequest("'prompt' must not be empty", param="prompt")
-        if min(prompt) < 0:
-            raise BadRequest("'prompt' token IDs must be >= 0", param="prompt")
+        check_token_ids(prompt, "prompt", limits)
         return prompt
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         raise BadRequest("'prompt' must be one string or one list of token IDs; batched prompts are not "
@@ -105,9 +159,23 @@ def _validate_prompt(prompt: Any) -> str | list[int]:
                      param="prompt")
 
 
-def _validate_messages(messages: Any) -> list[dict[str, Any]]:
+def check_token_ids(ids: list[int], param: str, limits: Limits) -> None:
+    """Non-empty, no longer than the model, every ID >= 0 (the vocabulary bound needs the tokenizer)."""
+    if not ids:
+        raise BadRequest(f"'{param}' must not be empty", param=param)
+    if len(ids) > limits.max_model_len:
+        raise BadRequest(f"'{param}' has {len(ids)} tokens; the model takes at most {limits.max_model_len}",
+                         param=param)
+    if min(ids) < 0:
+        raise BadRequest(f"'{param}' token IDs must be >= 0", param=param)
+
+
+def validate_messages(messages: Any, limits: Limits | None = None) -> list[dict[str, Any]]:
+    """Chat messages: a non-empty list of ``{role, content}``, at most ``max_prompt_chars`` of text."""
+    limits = limits or default_limits()
     if not isinstance(messages, list) or not messages:
         raise BadRequest("'messages' is required: a non-empty list of {role, content}", param="messages")
+    chars = 0
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise BadRequest(f"'messages[{i}].role' must be a string", param=f"messages[{i}].role")
@@ -115,31 +183,125 @@ def _validate_messages(messages: Any) -> list[dict[str, Any]]:
         if not isinstance(content, (str, list)) and content is not None:
             raise BadRequest(f"'messages[{i}].content' must be a string or a list of parts",
                              param=f"messages[{i}].content")
+        chars += len(content) if isinstance(content, str) else sum(
+            len(p.get("text") or "") if isinstance(p, dict) and isinstance(p.get("text"), str) else 0
+            for p in content or ())
+    if chars > limits.max_prompt_chars:
+        raise BadRequest(f"'messages' hold {chars} characters; at most {limits.max_prompt_chars} "
+                         "(router.max_prompt_chars)", param="messages")
     return messages
 
 
-def _validate_common(body: dict[str, Any]) -> bool:
+_validate_messages = validate_messages  # the name router.score imported
+
+
+def _validate_common(body: dict[str, Any], limits: Limits) -> bool:
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest("'stream' must be a boolean", param="stream")
-    for name in ("max_tokens", "n"):
+    for name in ("max_tokens", "max_completion_tokens", "n"):
         value = body.get(name)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise BadRequest(f"'{name}' must be a positive integer", param=name)
+    for name in ("max_tokens", "max_completion_tokens"):
+        if (body.get(name) or 0) >= limits.max_model_len:
+            raise BadRequest(f"'{name}' is {body[name]}; the model's max_model_len is {limits.max_model_len} "
+                             "tokens, prompt included", param=name)
+    if (body.get("n") or 1) > limits.max_n:
+        raise BadRequest(f"'n' is {body['n']}; at most {limits.max_n} (router.max_n)", param="n")
+    if body.get("truncate_prompt_tokens") is not None:
+        raise BadRequest("'truncate_prompt_tokens' is not supported: the replica would see other tokens than "
+                         "the router routed on; truncate the prompt before sending it",
+                         param="truncate_prompt_tokens")
     return stream
 
 
-def parse_completion(body: dict[str, Any], headers: Mapping[str, str]) -> ParsedRequest:
+def parse_completion(body: dict[str, Any], headers: Mapping[str, str], *, limits: Limits | None = None,
+                     tenant: str | None = None) -> ParsedRequest:
     """Validate a /v1/completions body (mutated: routing fields removed)."""
-    keys = _routing_keys(body, headers)
-    stream = _validate_common(body)
-    prompt = _validate_prompt(body.get("prompt"))
+    limits = limits or default_limits()
+    keys = routing_keys(body, headers, limits, tenant)
+    stream = _validate_common(body, limits)
+    prompt = _validate_prompt(body.get("prompt"), limits)
+    validate_body(CompletionRequest, body)
     return ParsedRequest("completions", body, keys, stream, prompt=prompt)
 
 
-def parse_chat(body: dict[str, Any], headers: Mapping[str, str]) -> ParsedRequest:
+def parse_chat(body: dict[str, Any], headers: Mapping[str, str], *, limits: Limits | None = None,
+               tenant: str | None = None) -> ParsedRequest:
     """Validate a /v1/chat/completions body (mutated: routing fields removed)."""
-    keys = _routing_keys(body, headers)
-    stream = _validate_common(body)
-    messages = _validate_messages(body.get("messages"))
+    limits = limits or default_limits()
+    keys = routing_keys(body, headers, limits, tenant)
+    stream = _validate_common(body, limits)
+    messages = validate_messages(body.get("messages"), limits)
+    validate_body(ChatRequest, body)
+    _check_chat_rendering(body)
     return ParsedRequest("chat", body, keys, stream, messages=messages)
+
+
+_REFUSED_CHAT_FIELDS = {
+    "tools": "the router cannot yet render tool definitions exactly as vLLM's tool adapter does; render "
+             "the prompt yourself and send its token IDs to /v1/completions",
+    "chat_template": "the replicas only use the model's own chat template",
+}
+
+
+def _check_chat_rendering(body: dict[str, Any]) -> None:
+    """Refuse (400) what the router cannot render the way vLLM renders it, so its hashes match."""
+    for name, why in _REFUSED_CHAT_FIELDS.items():
+        if body.get(name) is not None:
+            raise BadRequest(f"'{name}' is not supported: {why}", param=name)
+    kwargs = body.get("chat_template_kwargs") or {}
+    bad = sorted({"chat_template", "tokenize", "tools"} & set(kwargs))
+    if bad:
+        raise BadRequest(f"'chat_template_kwargs' may not set {', '.join(bad)}", param="chat_template_kwargs")
+    if body.get("continue_final_message") and body.get("add_generation_prompt", True):
+        raise BadRequest("'continue_final_message' needs 'add_generation_prompt': false (vLLM refuses both)",
+                         param="continue_final_message")
+
+
+@dataclass(frozen=True)
+class ScoreRequest:
+    """A validated ``/v1/score`` request (context not yet tokenized if given as text/messages)."""
+
+    context: str | list[int] | None
+    messages: list[dict[str, Any]] | None
+    responses: list[list[int]]
+    top_logprobs: int
+    keys: RoutingKeys
+    model: str | None
+
+
+def parse_score(body: dict[str, Any], headers: Mapping[str, str], *, limits: Limits | None = None,
+                tenant: str | None = None) -> ScoreRequest:
+    """Validate a /v1/score body; BadRequest naming the field."""
+    limits = limits or default_limits()
+    routing = routing_keys(body, headers, limits, tenant)
+    context, messages = body.get("context"), body.get("messages")
+    if (context is None) == (messages is None):
+        raise BadRequest("give exactly one of 'context' (token IDs or text) or 'messages'", param="context")
+    if messages is not None:
+        validate_messages(messages, limits)
+    elif not ((isinstance(context, str) or _is_token_ids(context)) and context):
+        raise BadRequest("'context' must be a non-empty string or list of token IDs", param="context")
+    elif isinstance(context, list):
+        check_token_ids(context, "context", limits)
+    elif len(context) > limits.max_prompt_chars:
+        raise BadRequest(f"'context' is {len(context)} characters; at most {limits.max_prompt_chars}", param="context")
+    responses = body.get("responses")
+    if not isinstance(responses, list) or not responses:
+        raise BadRequest("'responses' must be a non-empty list of token-ID lists", param="responses")
+    if len(responses) > limits.max_score_responses:
+        raise BadRequest(f"'responses' holds {len(responses)} responses; at most {limits.max_score_responses} "
+                         "(router.max_score_responses)", param="responses")
+    for k, r in enumerate(responses):
+        if not _is_token_ids(r) or not r or min(r) < 0:
+            raise BadRequest(f"'responses[{k}]' must be a non-empty list of token IDs >= 0", param=f"responses[{k}]")
+    top = body.get("top_logprobs", 0)
+    if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise BadRequest(f"'top_logprobs' must be an integer in [0, {MAX_TOP_LOGPROBS}]", param="top_logprobs")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise BadRequest("'model' must be a string", param="model")
+    validate_body(ScoreBody, body)
+    return ScoreRequest(context, messages, responses, top, routing, model)

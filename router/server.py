@@ -32,7 +32,10 @@ async def running_router(cfg: AppConfig, endpoints: Sequence[ReplicaEndpoint],
     """Serve a router for ``endpoints``; yield ``(base_url, app)``; shut down on exit."""
     tokenizer = tokenizer or PromptTokenizer(tokenizer_path(cfg))
     app = create_app(cfg, endpoints, tokenizer)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
+    r = cfg.router  # header limits and the keep-alive timer, which also bounds slow headers
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0,
+                           max_line_size=r.max_header_bytes, max_field_size=r.max_header_bytes,
+                           keepalive_timeout=r.header_timeout_s)
     await runner.setup()
     try:
         site = web.TCPSite(runner, cfg.router.host, cfg.router.port)

@@ -1,0 +1,63 @@
+"""The edge middleware: who is calling, and a bounded body, before any handler runs.
+
+* ``/v1/*``: the API key (``router.api_keys``) and the tenant (``router.auth``), stored on the
+  request under ``router.auth.TENANT``.
+* ``/admin/*``: the admin token compared as bytes, so a non-ASCII token is a 401 like any
+  other wrong one (``router.admin`` then checks it again as text, now known to be ASCII-safe).
+* Any request with a body: ``Content-Length`` over ``router.max_body_bytes`` is a 413 before a
+  byte is read; the body is read (and cached for the handler) within ``router.body_timeout_s``
+  or the request gets a 408. aiohttp enforces the size on chunked bodies (``client_max_size``).
+  Slow headers are bounded by the server's keep-alive timer (``router.server``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiohttp import web
+
+from router.auth import TENANT, KeyBook, bearer_token, resolve_tenant, token_matches
+from router.config import AppConfig
+from router.errors import PayloadTooLarge, RequestTimeout, Unauthorized
+
+
+def edge_middleware(cfg: AppConfig):
+    """The middleware for ``cfg`` (keys compiled once)."""
+    book = KeyBook(cfg.router.api_keys)
+    r = cfg.router
+
+    @web.middleware
+    async def edge(request: web.Request, handler):
+        if request.path.startswith("/v1/"):
+            request[TENANT] = resolve_tenant(request.headers, book, header_allowed=r.tenant_header,
+                                             max_chars=r.max_key_chars)
+        elif request.path.startswith("/admin/") and not token_matches(bearer_token(request.headers), r.admin_token):
+            raise Unauthorized("admin endpoints need 'Authorization: Bearer <router.admin_token>'"
+                               + ("" if r.admin_token else " (router.admin_token is not set: admin is disabled)"))
+        if request.body_exists:
+            await read_body(request, r.max_body_bytes, r.body_timeout_s)
+        return await handler(request)
+
+    return edge
+
+
+async def read_body(request: web.Request, max_bytes: int, timeout_s: float) -> bytes:
+    """The whole body (cached: the handler's ``request.read()`` returns it), or 413 / 408."""
+    length = request.content_length
+    if length is not None and length > max_bytes:
+        raise PayloadTooLarge(f"request body is {length} bytes; at most {max_bytes} (router.max_body_bytes)",
+                              param="body")
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await request.read()
+    except TimeoutError:
+        raise RequestTimeout(f"request body not received within {timeout_s:g} s (router.body_timeout_s)",
+                             param="body") from None
+    except web.HTTPRequestEntityTooLarge:
+        raise PayloadTooLarge(f"request body is over {max_bytes} bytes (router.max_body_bytes)",
+                              param="body") from None
+
+
+def tenant_of(request: web.Request) -> str | None:
+    """The tenant the edge resolved for ``request`` (None: no tenant)."""
+    return request.get(TENANT)

@@ -1,0 +1,175 @@
+"""The hardened edge (issue 11): every hostile input named in the issue is a 4xx naming the field,
+never a 5xx; replica refusals keep a field; limits apply before any work. Real HTTP on loopback,
+a fake replica (tests/router/edge_fixtures.py) where a replica is needed at all."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from urllib.parse import urlsplit
+
+import pytest
+
+from tests.router.edge_fixtures import VLLM_NULL_PARAM, edge_router, fake_replica, post
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+
+async def raw_http(url: str, request: bytes, read_timeout: float = 10.0) -> bytes:
+    """Send ``request`` bytes as they are; return the one answer (head and Content-Length body),
+    or ``b""`` when the server closes the connection without answering."""
+    parts = urlsplit(url)
+    reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
+    writer.write(request)
+    await writer.drain()
+    try:
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), read_timeout)
+        length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                       if line.lower().startswith(b"content-length:")), 0)
+        return head + await asyncio.wait_for(reader.readexactly(length), read_timeout)
+    except asyncio.IncompleteReadError as exc:
+        return exc.partial
+    finally:
+        writer.close()
+
+
+def status_and_body(answer: bytes) -> tuple[int, dict]:
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body or b"{}")
+
+
+async def test_hostile_inputs_are_400_naming_the_field():
+    async with fake_replica() as replica, edge_router(replica) as (url, _):
+        cases = [
+            ({"prompt": [5, 6]}, {"X-Weight-Version": "²"}, "weight_version"),
+            ({"prompt": [5, 6], "session_id": "s" * 300}, {}, "session_id"),
+            ({"prompt": [5, 6], "group_id": "g\x00"}, {}, "group_id"),
+            ({"prompt": [5, 6], "n": 65}, {}, "n"),
+            ({"prompt": [5, 6], "max_tokens": 10**9}, {}, "max_tokens"),
+            ({"prompt": [5] * 16000, "max_tokens": 385}, {}, "max_tokens"),  # 16,000 + 385 > 16,384
+            ({"prompt": "x" * (16 * 16384 + 1)}, {}, "prompt"),
+            ({"prompt": [5, 6], "truncate_prompt_tokens": 1}, {}, "truncate_prompt_tokens"),
+            ({"messages": [{"role": "user", "content": "hi"}], "tools": []}, {}, "tools"),
+            ({"messages": [{"role": "user", "content": "hi"}], "continue_final_message": True}, {},
+             "continue_final_message"),
+            ({"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"tokenize": True}}, {},
+             "chat_template_kwargs"),
+            ({"messages": [{"role": "user", "content": "hi"}], "add_special_tokens": "yes"}, {}, "add_special_tokens"),
+            ({"context": [5, 6], "responses": [[7]] * 65}, {}, "responses"),
+            ({"context": [5] * 16380, "responses": [[7] * 4]}, {}, "responses[0]"),
+        ]
+        for body, headers, param in cases:
+            path = ("/v1/score" if "context" in body else
+                    "/v1/chat/completions" if "messages" in body else "/v1/completions")
+            status, answer = await post(url, path, json=body, headers=headers)
+            assert (status, answer["error"]["param"]) == (400, param), (param, answer)
+        assert replica.bodies == []  # nothing reached the replica
+
+
+async def test_deep_nesting_and_lone_surrogates_are_400_not_500():
+    async with fake_replica() as replica, edge_router(replica) as (url, _):
+        deep = b'{"prompt": [1], "x": ' + b"[" * 100 + b"]" * 100 + b"}"
+        status, answer = await post(url, "/v1/completions", data=deep)
+        assert status == 400 and answer["error"]["param"] == "x" + "[0]" * 31, answer  # the 32nd level
+        for depth in (1000, 100_000):  # past json's own recursion limit
+            status, answer = await post(url, "/v1/completions", data=b"[" * depth + b"]" * depth)
+            assert (status, answer["error"]["param"]) == (400, "body")
+        for raw, param in ((b'{"prompt": "a\\ud800b"}', "prompt"),
+                           (b'{"messages": [{"role": "user", "content": "\\udfff"}]}', "messages[0].content"),
+                           (b'{"prompt": [1], "max_tokens": NaN}', "body"),
+                           (b'{"prompt": [1], "n": ' + b"9" * 5000 + b"}", "body")):
+            path = "/v1/chat/completions" if b"messages" in raw else "/v1/completions"
+            status, answer = await post(url, path, data=raw)
+            assert (status, answer["error"]["param"]) == (400, param), answer
+
+
+async def test_non_ascii_bearer_tokens_are_401_on_admin_and_api():
+    async with fake_replica() as replica, edge_router(replica, admin_token="secret", tenant_header=True,
+                                                      api_keys={"k-a": "team-a", "k-b": None}) as (url, _):
+        host = urlsplit(url).netloc.encode()
+        for path, token in ((b"/admin/weights", "sécret".encode()), (b"/admin/weights", b"\xff\xfe"),
+                            (b"/v1/models", b"\xe2\x82\xac"), (b"/v1/models", b"k-a\x80")):
+            answer = await raw_http(url, b"GET " + path + b" HTTP/1.1\r\nHost: " + host +
+                                    b"\r\nAuthorization: Bearer " + token + b"\r\nConnection: close\r\n\r\n")
+            assert status_and_body(answer)[0] == 401, (path, token, answer[:200])
+        ok, _ = await post(url, "/v1/completions", json={"prompt": [5, 6]}, headers={"Authorization": "Bearer k-b"})
+        assert ok == 200
+        status, answer = await post(url, "/v1/completions", json={"prompt": [5, 6]},
+                                    headers={"Authorization": "Bearer k-a", "X-Tenant-Id": "team-b"})
+        assert (status, answer["error"]["param"]) == (403, "tenant")
+        status, _ = await post(url, "/v1/completions", json={"prompt": [5, 6]},
+                               headers={"Authorization": "Bearer k-a", "X-Tenant-Id": "team-a"})
+        assert status == 200 and "t=team-a" in replica.bodies[-1]["cache_salt"]
+
+
+async def test_tenants_get_their_own_cache_salt():
+    async with fake_replica() as replica, edge_router(replica, api_keys={"k-a": "team-a", "k-b": "team-b"}) as (url, _):
+        for key in ("k-a", "k-b", "k-a"):
+            status, _ = await post(url, "/v1/completions", json={"prompt": list(range(8, 80))},
+                                   headers={"Authorization": f"Bearer {key}"})
+            assert status == 200
+        salts = [b.get("cache_salt") for b in replica.bodies]
+        assert salts[0] == salts[2] != salts[1] and "team-a" in salts[0] and "team-b" in salts[1]
+
+
+async def test_tenant_header_only_when_enabled():
+    async with fake_replica() as replica, edge_router(replica) as (url, _):
+        status, answer = await post(url, "/v1/completions", json={"prompt": [5]}, headers={"X-Tenant-Id": "t"})
+        assert (status, answer["error"]["param"]) == (400, "tenant")
+    async with fake_replica() as replica, edge_router(replica, tenant_header=True) as (url, _):
+        assert (await post(url, "/v1/completions", json={"prompt": [5]}, headers={"X-Tenant-Id": "t"}))[0] == 200
+        assert "t=t" in replica.bodies[0]["cache_salt"]
+
+
+async def test_a_replica_refusal_without_param_names_the_field():
+    async with fake_replica() as replica, edge_router(replica) as (url, _):
+        status, answer = await post(url, "/v1/completions", json={"prompt": [5, 6], "temperature": -1})
+        assert status == 400 and answer["error"]["param"] == "temperature"
+        assert answer["error"]["message"] == VLLM_NULL_PARAM["message"]
+
+
+async def test_body_size_is_checked_before_reading_and_while_streaming_it():
+    async with fake_replica() as replica, edge_router(replica, max_body_bytes=1000) as (url, _):
+        status, answer = await post(url, "/v1/completions", json={"prompt": "x" * 2000})
+        assert (status, answer["error"]["param"]) == (413, "body")
+
+        async def chunks():
+            for _ in range(4):
+                yield b" " * 400
+        status, answer = await post(url, "/v1/completions", data=chunks())  # chunked: no Content-Length
+        assert (status, answer["error"]["param"]) == (413, "body")
+
+
+async def test_slow_body_gets_408_and_slow_headers_are_cut_off():
+    async with fake_replica() as replica, edge_router(replica, body_timeout_s=0.3, header_timeout_s=0.5) as (url, _):
+        host = urlsplit(url).netloc.encode()
+        started = asyncio.get_running_loop().time()
+        answer = await raw_http(url, b"POST /v1/completions HTTP/1.1\r\nHost: " + host +
+                                b"\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"pro")
+        status, body = status_and_body(answer)
+        assert (status, body["error"]["param"]) == (408, "body")
+        answer = await raw_http(url, b"POST /v1/completions HTTP/1.1\r\nHost: " + host + b"\r\nX-Slow")
+        assert answer == b""  # closed without a request ever being handled
+        assert asyncio.get_running_loop().time() - started < 5
+
+
+async def test_oversized_header_is_a_4xx():
+    async with fake_replica() as replica, edge_router(replica, max_header_bytes=1024) as (url, _):
+        host = urlsplit(url).netloc.encode()
+        answer = await raw_http(url, b"GET /v1/models HTTP/1.1\r\nHost: " + host + b"\r\nX-Big: " + b"a" * 4096
+                                + b"\r\nConnection: close\r\n\r\n")
+        assert 400 <= int(answer.split()[1]) < 500
+
+
+async def test_openapi_document_lists_every_endpoint_with_its_schema():
+    async with fake_replica() as replica, edge_router(replica) as (url, _):
+        import aiohttp
+
+        async with aiohttp.ClientSession() as http, http.get(url + "/openapi.json") as r:
+            doc = await r.json()
+        assert {"/v1/completions", "/v1/chat/completions", "/v1/score", "/v1/models", "/health"} <= set(doc["paths"])
+        schemas = doc["components"]["schemas"]
+        assert "prompt" in schemas["CompletionRequest"]["required"]
+        assert schemas["ScoreBody"]["properties"]["top_logprobs"]["maximum"] == 20
+        ref = doc["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        assert ref == {"$ref": "#/components/schemas/ChatRequest"}
