@@ -48,7 +48,9 @@ class Fleet:
     """Runs one ``SimRouter`` over ``cfg.replicas`` engines until every client is done."""
 
     def __init__(self, cfg: FleetConfig, router: SimRouter,
-                 progress: Callable[[int], None] | None = None) -> None:
+                 progress: Callable[[int], None] | None = None,
+                 clients: Callable[[Fleet], Clients] | None = None) -> None:
+        """``clients`` builds the traffic (default: ``Clients`` from ``cfg.workload``)."""
         self.cfg, self.router = cfg, router
         self.engines = [Engine(f"r{i}", cfg.engine) for i in range(cfg.replicas)]
         self.by_name = {e.name: e for e in self.engines}
@@ -64,8 +66,8 @@ class Fleet:
         self.version = 0
         self.steps = 0
         self.progress = progress
-        self.clients = Clients(cfg.workload, set(cfg.kinds), cfg.replicas, cfg.requests, cfg.seed, self,
-                               on_step=self._trainer_step)
+        self.clients = clients(self) if clients is not None else Clients(
+            cfg.workload, set(cfg.kinds), cfg.replicas, cfg.requests, cfg.seed, self, on_step=self._trainer_step)
 
     # -- Sink (what clients call) --------------------------------------------------------------
     def issue(self, item: Item, now: float) -> None:
