@@ -8,6 +8,7 @@ job of ``fan_out = K`` (the router's ``/v1/score``): all K requests go to the pl
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import TYPE_CHECKING
 
 from bench.sim.router import Handle, Verdict
@@ -33,6 +34,8 @@ class Ours:
         self.core = DecisionCore(cfg or PolicyConfig(), policy=policy, seed=seed,
                                  weight_update_policy=weight_policy, initial_version=0, admission=admission)
         self._handles: dict[int, Handle] = {}
+        self.reasons: Counter[str] = Counter()
+        """Placements by ``RouteReason`` (session, group, prefix, load, balance, repin)."""
 
     def add_replica(self, rid: str, block_size: int, num_blocks: int) -> None:
         self.core.add_replica(rid, block_size=block_size, num_gpu_blocks=num_blocks)
@@ -51,6 +54,8 @@ class Ours:
     def place(self, h: Handle, now: float) -> str | None:
         decision = self.core.place(h.job, now)
         h.replica = decision.replica_id if decision is not None else None
+        if decision is not None:
+            self.reasons[decision.reason.value] += 1
         return h.replica
 
     def admit(self, h: Handle, now: float) -> Verdict:
