@@ -133,9 +133,9 @@ class ReplicaSetConfig:
         if unknown:
             raise ValueError(f"ReplicaSetConfig: unknown key(s) {unknown}; known keys: {sorted(known)}")
         for key in ("urls", "extra_args"):
-            if key in d and d[key] is not None:
+            if isinstance(d.get(key), list):
                 d[key] = tuple(d[key])
-        if d.get("extra_env") is not None:
+        if isinstance(d.get("extra_env"), dict):  # YAML numbers as strings; anything else is refused
             d["extra_env"] = {str(k): str(v) for k, v in d["extra_env"].items()}
         return cls(**d)
 

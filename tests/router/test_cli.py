@@ -41,3 +41,17 @@ def test_help_leaves_spec_references_out():
                          check=True).stdout
     assert "Admission control: hold requests" in out and "Cache policy at weight updates:" in out
     assert "DESIGN rule" not in out and "(seed 0" not in out
+
+
+def test_a_bad_config_file_prints_one_line_and_exits_2(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("replicas:\n  kv_cache_space_gib: 1.5\n")
+    assert main(["serve", "--config", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err == "rollout-router: config error: replicas.kv_cache_space_gib: must be a whole number of GiB, got 1.5\n"
+
+
+def test_new_edge_fields_have_flags():
+    args = _parser().parse_args(["serve", "--max-n", "8", "--tenant-header", "true", "--body-timeout-s", "5"])
+    cfg = _config(args)
+    assert (cfg.router.max_n, cfg.router.tenant_header, cfg.router.body_timeout_s) == (8, True, 5.0)

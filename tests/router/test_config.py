@@ -39,3 +39,59 @@ def test_replace_overrides_one_field_and_validates():
 def test_unknown_policy_is_rejected_before_anything_starts():
     with pytest.raises(ValueError, match="round_robin"):
         RouterConfig(policy="bogus")
+
+
+@pytest.mark.parametrize("yaml_text,message", [
+    ("replicas:\n  kv_cache_space_gib: 1.5\n", "replicas.kv_cache_space_gib: must be a whole number of GiB, got 1.5"),
+    ("replicas:\n  dtype: fp8\n", "replicas.dtype: must be one of 'auto', 'half', 'float16', 'bfloat16', 'float' "
+                                  "or 'float32', got 'fp8'"),
+    ("replicas:\n  urls: 3\n", "replicas.urls: must be a list, got 3"),
+    ("router:\n  port: eighty\n", "router.port: must be an integer, got 'eighty'"),
+    ("router:\n  weight_update_mode: canary\n", "router.weight_update_mode: must be one of 'rolling' or 'all', "
+                                                "got 'canary'"),
+    ("router:\n  max_n: 0\n", "router.max_n: must be >= 1, got 0"),
+    ("router:\n  api_keys: [a]\n", "router.api_keys: must be a mapping, got ('a',)"),
+    ("policy:\n  high_watermark: 2\n", "policy.high_watermark: must be in (0, 1], got 2.0"),
+    ("policy:\n  max_queue: many\n", "policy.max_queue: must be an integer, got 'many'"),
+    ("router: 3\n", "router: must be a mapping of settings, got 3"),
+])
+def test_a_bad_value_is_one_line_naming_its_yaml_path(tmp_path, yaml_text, message):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml_text)
+    with pytest.raises(ValueError) as err:
+        AppConfig.load(bad)
+    assert str(err.value) == message and "\n" not in str(err.value)
+
+
+def test_invalid_yaml_is_one_line_too(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("router: [1\n")
+    with pytest.raises(ValueError, match=r"bad\.yaml is not valid YAML") as err:
+        AppConfig.load(bad)
+    assert "\n" not in str(err.value)
+
+
+def test_edge_fields_and_their_derived_defaults():
+    cfg = AppConfig()
+    assert (cfg.max_model_len, cfg.max_prompt_chars) == (16384, 16 * 16384)
+    assert cfg.router.api_keys == {} and not cfg.router.tenant_header and cfg.router.expose_expected_cached_tokens
+    cfg = AppConfig().replace(router={"max_model_len": 4096, "api_keys": {"k": "team"}})
+    assert (cfg.max_model_len, cfg.max_prompt_chars, cfg.router.api_keys) == (4096, 65536, {"k": "team"})
+    with pytest.raises(ValueError, match=r"^router\.body_timeout_s: must be > 0 seconds, got 0.0$"):
+        AppConfig().replace(router={"body_timeout_s": 0})
+    with pytest.raises(ValueError, match=r"^replicas\.kv_cache_space_gib: must be a whole number of GiB, got 0\.5$"):
+        AppConfig().replace(replicas={"kv_cache_space_gib": 0.5})
+
+
+def test_choice_lists_come_from_their_owners():
+    import typing
+
+    from cache_policy.policy import POLICIES
+    from cache_policy.salts import WEIGHT_UPDATE_POLICIES
+    from replicas.weights import PAUSE_MODES
+    from router.config import RouterConfig as R
+
+    hints = typing.get_type_hints(R)
+    assert set(typing.get_args(hints["policy"])) == set(POLICIES)
+    assert typing.get_args(hints["weight_update_policy"]) == WEIGHT_UPDATE_POLICIES
+    assert typing.get_args(hints["weight_update_pause_mode"]) == PAUSE_MODES
