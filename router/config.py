@@ -65,6 +65,9 @@ class RouterConfig:
     """Redis URL when state is 'redis'."""
     tokenizer: str | None = None
     """Tokenizer path for text prompts; default: the replicas' model."""
+    kv_events: bool = True
+    """Follow the replicas' KV cache events (those that publish them, ``ReplicaEndpoint.kv_events``):
+    the prefix index learns what each engine really holds; False: predictions only."""
     admission: bool = True
     """Admission control (DESIGN rule 3): hold requests while their replica's projected KV usage
     would pass ``policy.high_watermark``; 429 past ``policy.max_queue`` / ``queue_timeout_s``."""

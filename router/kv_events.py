@@ -25,12 +25,13 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import msgspec
 import zmq
 import zmq.asyncio
+from aiohttp import web
 
 from cache_policy.kv_events import KvEventApplier
 from cache_policy.types import ReplicaId
@@ -76,6 +77,23 @@ class KvEventSubscriber:
     def stats(self, rid: ReplicaId) -> SubscriberStats:
         """Counters of ``rid`` (zeros before its first batch)."""
         return self._stats.setdefault(rid, SubscriberStats())
+
+    def snapshot(self) -> dict[str, float]:
+        """Plain gauges and counters for ``/metrics``: the index (``index_entries``,
+        ``index_predicted``, ``index_confirmed``, ``index_expired``) and, per replica,
+        ``{rid}:{name}`` for the subscription's counters (``batches``, ``gaps``,
+        ``gaps_repaired``, ``gaps_lost``, ``garbage``, ``restarts``, ``lag_s``) and the
+        applier's (``events``, ``stored``, ``removed``, ``unmapped``, ``resets``)."""
+        st = self.applier.index.stats()
+        out = {"index_entries": st.entries, "index_predicted": st.predicted, "index_confirmed": st.confirmed,
+               "index_expired": st.expired}
+        for rid, stats in self._stats.items():
+            counts = self.applier.counts(rid)
+            for name in ("batches", "gaps", "gaps_repaired", "gaps_lost", "garbage", "restarts", "lag_s"):
+                out[f"{rid}:{name}"] = getattr(stats, name)
+            for name in ("events", "stored", "removed", "unmapped", "resets"):
+                out[f"{rid}:{name}"] = getattr(counts, name)
+        return out
 
     def watch(self, rid: ReplicaId, source: EventSource) -> None:
         """Subscribe to ``rid`` at ``source``; a new source (a restarted replica) replaces the old
@@ -206,3 +224,39 @@ class KvEventSubscriber:
         if "garbage" not in logged:
             logged.add("garbage")
             log.warning("kv events of %s: garbage message (%s); skipped", rid, exc)
+
+
+def sync_watches(subscriber: KvEventSubscriber, endpoints) -> None:
+    """Follow exactly the ``endpoints`` (``ReplicaEndpoint``) that publish KV events; a replica
+    whose source changed (restarted) is re-subscribed from scratch."""
+    wanted = {ep.replica_id: ep.kv_events for ep in endpoints if ep.kv_events is not None}
+    for rid in list(subscriber._tasks):
+        if rid not in wanted:
+            subscriber.unwatch(rid)
+    for rid, source in wanted.items():
+        subscriber.watch(rid, source)
+
+
+async def kv_events_ctx(app) -> AsyncIterator[None]:
+    """aiohttp cleanup context: subscribe the decision core's prefix index to every replica's
+    KV events (``router.kv_events`` in the config; a policy without an index needs none).
+    ``app[KV_EVENTS]`` holds the subscriber (None when off)."""
+    from router import keys
+
+    core, cfg = app[keys.CORE], app[keys.CONFIG]
+    index = getattr(core.policy, "index", None)
+    if not cfg.router.kv_events or index is None:
+        app[KV_EVENTS] = None
+        yield
+        return
+    subscriber = KvEventSubscriber(KvEventApplier(index, core.block_size))
+    app[KV_EVENTS] = subscriber
+    sync_watches(subscriber, [s.endpoint for s in app[keys.POOL].states()])
+    try:
+        yield
+    finally:
+        await subscriber.close()
+
+
+KV_EVENTS = web.AppKey("kv_events", object)
+"""The app's ``KvEventSubscriber`` (None when events are off)."""

@@ -145,3 +145,22 @@ async def test_subscriber_survives_garbage(ipc) -> None:
         await sub.close()
         pub.close(linger=0)
         ctx.term()
+
+
+async def test_snapshot_counts_what_was_applied(ipc) -> None:
+    index = PrefixIndex(10_000)
+    sub = KvEventSubscriber(KvEventApplier(index, BS), recv_timeout_s=0.2)
+    pub = publisher(ipc)
+    t = toks(96, 7)
+    try:
+        sub.watch(R, KvEventSource(ipc("pub"), ipc("replay"), "kv"))
+        await asyncio.sleep(0.5)
+        pub.publish(batch(vstored(t, [1, 2, 3]), vk.BlockRemoved(block_hashes=[3], medium="GPU")))
+        await until(lambda: sub.stats(R).batches == 1)
+        index.insert(block_hashes(toks(64, 8), BS), R)  # two predicted blocks
+        snap = sub.snapshot()
+        assert (snap["index_entries"], snap["index_confirmed"], snap["index_predicted"]) == (4, 2, 2)
+        assert (snap[f"{R}:events"], snap[f"{R}:stored"], snap[f"{R}:removed"], snap[f"{R}:batches"]) == (2, 3, 1, 1)
+    finally:
+        await sub.close()
+        pub.shutdown()
