@@ -12,9 +12,12 @@ Follows ``vllm/v1/core/sched/scheduler.py`` (vLLM 0.32, FCFS policy) step by ste
    prompt of whole blocks hits one block less) and, for scoring requests, at
    ``cache_cap_tokens`` (the S-bounded cap), both rounded down to a block. The first
    request that does not fit stops admission.
-3. At the step's end every scheduled chunk counts as computed, newly full blocks are cached
-   (hashes from ``SimRequest.hashes``), a request with all known tokens computed samples one
-   token, and a request at ``max_tokens`` finishes and frees its blocks tail first.
+   Blocks a step will fill are cached when they are scheduled (hashes from
+   ``SimRequest.hashes``), as ``allocate_slots`` does: a request admitted later in the same step
+   hits them (a GRPO group's samples arriving together prefill their prompt once).
+3. At the step's end every scheduled chunk counts as computed, a request with all known tokens
+   computed samples one token, and a request at ``max_tokens`` finishes and frees its blocks
+   tail first.
 
 The block pool is ``bench.sim.kvpool.BlockPool`` (vLLM's eviction order). Step time is
 ``bench.sim.cost.CostModel``. For speed, consecutive decode-only steps with nothing able to
@@ -158,6 +161,7 @@ class Engine:
             if not fits:
                 break
             r.blocks.extend(self.pool.take(need))
+            self._cache_upto(r, min(r.computed + n, r.num_tokens))
             batch.append((r, n))
             budget -= n
             i += 1
@@ -180,6 +184,7 @@ class Engine:
             r.blocks = hits + pool.take(need)
             r.computed = hit_tokens
             r.num_hashed = len(hits)
+            self._cache_upto(r, min(hit_tokens + n, r.num_tokens))
             if r.num_preemptions == 0:
                 r.cached_tokens = hit_tokens
                 self.stats.prompt_tokens += r.prompt_tokens
@@ -190,6 +195,16 @@ class Engine:
             batch.append((r, n))
             budget -= n
         return budget
+
+    def _cache_upto(self, r: SimRequest, tokens: int) -> None:
+        """Cache ``r``'s full blocks up to ``tokens``: vLLM ``allocate_slots`` caches the blocks a
+        step *will* compute when it schedules them, so a request scheduled later in the same step
+        already hits them."""
+        full = min(tokens // self.cfg.block_size, len(r.hashes))
+        for j in range(r.num_hashed, full):
+            self.pool.cache(r.blocks[j], r.hashes[j])
+        if full > r.num_hashed:
+            r.num_hashed = full
 
     def _max_hit_blocks(self, r: SimRequest) -> int:
         limit = r.num_tokens - 1
@@ -232,7 +247,7 @@ class Engine:
 
     # ---- step end ------------------------------------------------------------------------
     def _apply(self, steps: int, now: float) -> list[SimRequest]:
-        pool, bs = self.pool, self.cfg.block_size
+        pool = self.pool
         finished: list[SimRequest] = []
         for r, k in self._batch:
             if steps > 1:
@@ -241,10 +256,7 @@ class Engine:
                     r.blocks.extend(pool.take(extra))
                 k = steps
             r.computed += k
-            full = min(r.computed // bs, len(r.hashes))
-            for j in range(r.num_hashed, full):
-                pool.cache(r.blocks[j], r.hashes[j])
-            r.num_hashed = max(r.num_hashed, full)
+            self._cache_upto(r, r.computed)
             if r.computed >= r.num_tokens:
                 sampled = k if steps > 1 else 1
                 r.num_tokens += sampled

@@ -140,3 +140,15 @@ def test_folded_decode_runs_give_the_same_times_and_counts_as_single_steps():
     assert one[1] == folded[1]
     for (f1, d1, c1), (f2, d2, c2) in zip(one[0], folded[0]):
         assert abs(f1 - f2) < 1e-9 and abs(d1 - d2) < 1e-9 and c1 == c2
+
+
+def test_a_request_admitted_in_the_same_step_hits_the_blocks_that_step_computes():
+    e = engine(num_blocks=64)
+    e.submit(request("x", tokens(40, 7), max_tokens=3), 0.0)  # the engine is now busy for a step
+    p = tokens(100, 8)
+    a, b = request("a", p), request("b", p)
+    e.submit(a, 0.0)
+    e.submit(b, 0.0)
+    drain(e)
+    assert a.first_token_s == b.first_token_s  # one step admitted both
+    assert a.cached_tokens == 0 and b.cached_tokens == 96  # vLLM caches blocks when it schedules them
