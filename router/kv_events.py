@@ -107,6 +107,10 @@ class KvEventSubscriber:
         self._stats[rid] = SubscriberStats()
         self._tasks[rid] = (source, asyncio.create_task(self._run(rid, source), name=f"kv-events-{rid}"))
 
+    def watched(self) -> list[ReplicaId]:
+        """Replicas followed now."""
+        return list(self._tasks)
+
     def unwatch(self, rid: ReplicaId) -> None:
         """Stop following ``rid`` (its index entries stay: the caller decides)."""
         current = self._tasks.pop(rid, None)
@@ -230,7 +234,7 @@ def sync_watches(subscriber: KvEventSubscriber, endpoints) -> None:
     """Follow exactly the ``endpoints`` (``ReplicaEndpoint``) that publish KV events; a replica
     whose source changed (restarted) is re-subscribed from scratch."""
     wanted = {ep.replica_id: ep.kv_events for ep in endpoints if ep.kv_events is not None}
-    for rid in list(subscriber._tasks):
+    for rid in subscriber.watched():
         if rid not in wanted:
             subscriber.unwatch(rid)
     for rid, source in wanted.items():
