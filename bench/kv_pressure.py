@@ -182,7 +182,7 @@ def render(results: list[PressureResult], capacity_tokens: int, live_tokens: int
 async def main_async(args: argparse.Namespace) -> list[PressureResult]:
     w = PressureWorkload(**dataclass_overrides(args, PressureWorkload))
     blocks = max(8, round(w.live_tokens() / args.pressure / 2 / args.block_size))
-    replicas = ReplicaSetConfig(num_replicas=2, max_model_len=4096, enable_plugin=False, block_size=args.block_size,
+    replicas = ReplicaSetConfig(num_replicas=2, max_model_len=2048, enable_plugin=False, block_size=args.block_size,
                                 extra_args=("--num-gpu-blocks-override", str(blocks)))
     cfg = AppConfig(replicas=replicas).replace(router={"scrape_interval_s": 0.2, "admission": args.admission})
     tokenizer = PromptTokenizer(tokenizer_path(cfg))
