@@ -46,7 +46,8 @@ def _may_be_unsafe(raw: bytes) -> bool:
     return b"\\u" in raw or b"\\U" in raw
 
 
-def _utf8(text: str) -> bool:
+def is_utf8(text: str) -> bool:
+    """Whether ``text`` encodes to UTF-8 (holds no lone surrogate)."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
@@ -61,7 +62,7 @@ def check_tree(body: Any) -> None:
     while stack:
         value, path, depth = stack.pop()
         if isinstance(value, str):
-            if not _utf8(value):
+            if not is_utf8(value):
                 raise BadRequest(f"'{path or 'body'}' holds a lone surrogate (not valid Unicode)",
                                  param=path or "body")
             continue
@@ -71,7 +72,7 @@ def check_tree(body: Any) -> None:
             raise BadRequest(f"'{path}' nests deeper than {MAX_JSON_DEPTH} levels", param=path or "body")
         items = value.items() if isinstance(value, dict) else enumerate(value)
         for key, item in items:
-            if isinstance(key, str) and not _utf8(key):
+            if isinstance(key, str) and not is_utf8(key):
                 raise BadRequest(f"a key in '{path or 'body'}' holds a lone surrogate", param=path or "body")
             if isinstance(item, (str, dict, list)):
                 child = f"{path}[{key}]" if isinstance(key, int) else (f"{path}.{key}" if path else key)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Literal, Mapping
 
-from router.body import load_json_object
+from router.body import is_utf8, load_json_object
 from router.errors import BadRequest
 from router.schemas import MAX_TOP_LOGPROBS, ChatRequest, CompletionRequest, ScoreBody, validate_body
 
@@ -89,17 +89,9 @@ def _key_text(name: str, value: Any, limits: Limits) -> str | None:
     text = str(value)
     if len(text) > limits.max_key_chars:
         raise BadRequest(f"'{name}' is {len(text)} characters; at most {limits.max_key_chars}", param=name)
-    if not text.isprintable() or not text.isascii() and not _encodable(text):
+    if not text.isprintable() or not text.isascii() and not is_utf8(text):
         raise BadRequest(f"'{name}' must be printable text", param=name)
     return text
-
-
-def _encodable(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _weight_version(value: Any) -> int | None:
@@ -220,8 +212,7 @@ def parse_completion(body: dict[str, Any], headers: Mapping[str, str], *, limits
                      tenant: str | None = None) -> ParsedRequest:
     """Validate a /v1/completions body (mutated: routing fields removed)."""
     limits = limits or default_limits()
-    keys = routing_keys(body, headers, limits, tenant)
-    stream = _validate_common(body, limits)
+    keys, stream = routing_keys(body, headers, limits, tenant), _validate_common(body, limits)
     prompt = _validate_prompt(body.get("prompt"), limits)
     validate_body(CompletionRequest, body)
     return ParsedRequest("completions", body, keys, stream, prompt=prompt)
@@ -231,8 +222,7 @@ def parse_chat(body: dict[str, Any], headers: Mapping[str, str], *, limits: Limi
                tenant: str | None = None) -> ParsedRequest:
     """Validate a /v1/chat/completions body (mutated: routing fields removed)."""
     limits = limits or default_limits()
-    keys = routing_keys(body, headers, limits, tenant)
-    stream = _validate_common(body, limits)
+    keys, stream = routing_keys(body, headers, limits, tenant), _validate_common(body, limits)
     messages = validate_messages(body.get("messages"), limits)
     validate_body(ChatRequest, body)
     _check_chat_rendering(body)
