@@ -110,6 +110,9 @@ class RouterConfig:
     """Seconds a connection may stay idle or take to send a request's headers before it is closed."""
     body_timeout_s: float = 30.0
     """Seconds a client may take to send a request body (408 past it)."""
+    shutdown_grace_s: float = 30.0
+    """On SIGTERM/SIGINT, seconds in-flight requests get to finish before they are cut (queued
+    ones and new ones get 503 with Retry-After at once)."""
     api_keys: dict[str, str | None] = field(default_factory=dict)
     """API keys the OpenAI endpoints (``/v1/*``) accept as ``Authorization: Bearer <key>``, each
     mapped to the tenant it acts for (null: none); empty: no key needed. Separate from
@@ -140,6 +143,7 @@ class RouterConfig:
         for name in ("max_model_len", "max_prompt_chars"):
             value = getattr(self, name)
             _check(value is None or value >= 1, name, f"must be >= 1 or null, got {value}")
+        _check(self.shutdown_grace_s >= 0, "shutdown_grace_s", f"must be >= 0 seconds, got {self.shutdown_grace_s}")
         for name in ("header_timeout_s", "body_timeout_s", "request_timeout_s"):
             _check(getattr(self, name) > 0, name, f"must be > 0 seconds, got {getattr(self, name)}")
         _check(all(key for key in self.api_keys), "api_keys", "must not hold an empty key")
