@@ -78,9 +78,12 @@ class EventBus:
         if self._queue is not None:
             await self._queue.join()
 
-    async def close(self) -> None:
-        """Deliver what is queued, then stop the dispatcher."""
-        await self.flush()
+    async def close(self, timeout_s: float = 10.0) -> None:
+        """Deliver what is queued (at most ``timeout_s`` more), then stop the dispatcher."""
+        try:
+            await asyncio.wait_for(self.flush(), timeout_s)
+        except asyncio.TimeoutError:
+            log.warning("replica events: handlers still busy after %g s at close; dropping the rest", timeout_s)
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
