@@ -59,6 +59,8 @@ def build_command(cfg: ReplicaSetConfig, model_path: str, port: int, *, host: st
         cmd += ["--max-num-batched-tokens", str(cfg.max_num_batched_tokens)]
     if cfg.max_num_seqs is not None:
         cmd += ["--max-num-seqs", str(cfg.max_num_seqs)]
+    if auth:
+        cmd += ["--middleware", MIDDLEWARE]
     return cmd + kv_events_args(cfg) + list(cfg.extra_args)
 
 
