@@ -8,7 +8,8 @@ decode token after ``c`` computed tokens costs ``c + 1``. All coefficients are s
 
 Defaults were fitted on this machine's vLLM-CPU with the project's tiny model by
 ``flock /tmp/vllm.lock .venv/bin/python -m bench.sim.calibrate`` (see that module; it
-prints the fit and its error). They set the simulated clock's scale; the routing results
+prints the fit and its error: 3.5% mean absolute error over 10 shapes, block size 32, token budget
+2048, with a 3.8 ms HTTP overhead per request fitted separately). They set the simulated clock's scale; the routing results
 (prefilled tokens, hit rates, spread) do not depend on them.
 """
 
@@ -21,16 +22,16 @@ from dataclasses import dataclass
 class CostModel:
     """Coefficients of the step-time model above, in seconds (all >= 0)."""
 
-    step: float = 2.0e-3
+    step: float = 2.363e-3
     """Fixed cost of one engine step (scheduling, launch, reading the weights)."""
 
-    seq: float = 1.0e-4
+    seq: float = 3.540e-5
     """Per sequence in the batch (sampling, bookkeeping)."""
 
-    token: float = 2.0e-5
+    token: float = 5.913e-6
     """Per scheduled token (the linear layers)."""
 
-    key: float = 2.0e-9
+    key: float = 9.995e-9
     """Per (query token, attention key) pair."""
 
     def __post_init__(self) -> None:
