@@ -126,8 +126,9 @@ async def _metrics(http, endpoints: Sequence[ReplicaEndpoint]) -> dict[str, Vllm
 
 
 async def run_one(name: str, cfg: AppConfig, endpoints: Sequence[ReplicaEndpoint], tokenizer: PromptTokenizer,
-                  w: PressureWorkload, http: aiohttp.ClientSession) -> PressureResult:
-    """Reset the caches, run ``w`` through a fresh router configured as ``ROUTERS[name]``."""
+                  w: PressureWorkload, http: aiohttp.ClientSession, dump: dict | None = None) -> PressureResult:
+    """Reset the caches, run ``w`` through a fresh router configured as ``ROUTERS[name]``
+    (each request's record goes to ``dump[name]`` when given)."""
     for ok in await asyncio.gather(*(reset_prefix_cache(http, ep.base_url) for ep in endpoints)):
         if not ok:
             raise RuntimeError("a replica refused to reset its prefix cache; results would be skewed")
@@ -140,7 +141,10 @@ async def run_one(name: str, cfg: AppConfig, endpoints: Sequence[ReplicaEndpoint
     wall = time.perf_counter() - started
     await asyncio.sleep(0.5)
     after = await _metrics(http, endpoints)
-    return summarize(name, [r for p in parts for r in p], before, after, wall)
+    records = [r for p in parts for r in p]
+    if dump is not None:
+        dump[name] = [asdict(r) for r in records]
+    return summarize(name, records, before, after, wall)
 
 
 def summarize(name: str, records: list[RequestRecord], before: dict[str, VllmMetrics],
@@ -188,12 +192,13 @@ async def main_async(args: argparse.Namespace) -> list[PressureResult]:
     tokenizer = PromptTokenizer(tokenizer_path(cfg))
     async with ReplicaSet(replicas) as rs:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900), middlewares=(rs.auth,)) as http:
-            results = [await run_one(name, cfg, rs.endpoints, tokenizer, w, http) for name in args.routers]
+            records: dict = {}
+            results = [await run_one(name, cfg, rs.endpoints, tokenizer, w, http, records) for name in args.routers]
     print(render(results, 2 * blocks * args.block_size, w.live_tokens()))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({"workload": asdict(w), "blocks_per_replica": blocks,
-                                              "results": [asdict(r) for r in results]}, indent=2))
+                                              "results": [asdict(r) for r in results], "requests": records}))
     return results
 
 
