@@ -44,8 +44,8 @@ class SupervisionConfig:
     """False: no background checks, no automatic restarts."""
     interval_s: float = 2.0
     """Seconds between two checks of one replica."""
-    health_timeout_s: float = 5.0
-    """A ``/health`` (or actor liveness) answer slower than this is a failed check."""
+    health_timeout_s: float = 10.0
+    """A ``/health`` answer slower than this is a failed check (generous: a busy 2-core host is slow)."""
     restart_after_failures: int = 3
     """Failed checks in a row after which a live replica counts as wedged and is restarted."""
     max_restarts: int = 5
