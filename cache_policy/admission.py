@@ -16,9 +16,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from cache_policy.admission_queue import PRIORITIES, AdmissionQueueStore, Priority
+from cache_policy.admission_queue import PRIORITIES, AdmissionQueueStore, AdmissionRequest, Priority
 from cache_policy.config import PolicyConfig
-from cache_policy.sessions import SessionActivity
 from cache_policy.types import ReplicaId, ReplicaView
 
 __all__ = [
@@ -27,7 +26,6 @@ __all__ = [
     "AdmissionQueue",
     "AdmissionRequest",
     "Priority",
-    "SessionActivity",
     "Verdict",
     "blocks_needed",
     "classify",
@@ -39,31 +37,6 @@ Verdict = Literal["admit", "queue", "reject"]
 
 _EPS = 1e-9
 """Slack on the watermark comparison, so float noise (0.8 + 0.05) cannot flip a verdict."""
-
-
-@dataclass(frozen=True)
-class AdmissionRequest:
-    """One routed request asking for room on ``replica_id``.
-
-    ``new_blocks``: KV blocks it will add beyond its expected prefix hit
-    (see :func:`blocks_needed`). ``enqueued_at``: arrival time, seconds.
-    ``request_id``: the caller's handle, opaque here.
-    """
-
-    replica_id: ReplicaId
-    new_blocks: int = 0
-    priority: Priority = "new"
-    session_id: str | None = None
-    enqueued_at: float = 0.0
-    request_id: str = ""
-
-    def __post_init__(self) -> None:
-        if self.new_blocks < 0:
-            raise ValueError(f"new_blocks must be >= 0, got {self.new_blocks}")
-        if self.priority not in PRIORITIES:
-            raise ValueError(f"priority must be one of {PRIORITIES}, got {self.priority!r}")
-        if self.priority == "continuing_session" and self.session_id is None:
-            raise ValueError("priority 'continuing_session' needs a session_id")
 
 
 @dataclass(frozen=True)
@@ -226,6 +199,12 @@ class AdmissionQueue:
         gone = [r for r in self._store.in_order() if self._expired(r, now)]
         self._store.remove(gone)
         return gone
+
+    def remove(self, request: AdmissionRequest) -> bool:
+        """Take ``request`` out of the queue at once (its client went away); False if absent."""
+        present = any(r is request for r in self._store.in_order())
+        self._store.remove([request])
+        return present
 
     def drop_replica(self, replica_id: ReplicaId) -> list[AdmissionRequest]:
         """Remove and return the requests queued for ``replica_id`` (re-route them)."""

@@ -14,17 +14,46 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable
+from dataclasses import dataclass
 from itertools import chain, zip_longest
-from typing import TYPE_CHECKING, Literal, get_args
+from typing import Literal, get_args
 
-if TYPE_CHECKING:
-    from cache_policy.admission import AdmissionRequest
+from cache_policy.types import ReplicaId
 
 Priority = Literal["continuing_session", "group_member", "new"]
 PRIORITIES: tuple[Priority, ...] = get_args(Priority)
 """Priority classes, highest first."""
 
 _RANK = {p: i for i, p in enumerate(PRIORITIES)}
+
+
+@dataclass(frozen=True)
+class AdmissionRequest:
+    """One routed request asking for room on ``replica_id``.
+
+    ``new_blocks``: KV blocks it will add beyond its expected prefix hit
+    (see ``cache_policy.admission.blocks_needed``). ``enqueued_at``: arrival time, seconds.
+    ``request_id``: the caller's handle, opaque here.
+    """
+
+    replica_id: ReplicaId
+    new_blocks: int = 0
+    priority: Priority = "new"
+    session_id: str | None = None
+    enqueued_at: float = 0.0
+    request_id: str = ""
+    holds: int = 0
+    """Blocks its ticket will hold once admitted (its peak, less a started group's shared prompt)."""
+    requests: int = 1
+    """Engine requests it stands for (a scoring fan-out's K)."""
+
+    def __post_init__(self) -> None:
+        if self.new_blocks < 0:
+            raise ValueError(f"new_blocks must be >= 0, got {self.new_blocks}")
+        if self.priority not in PRIORITIES:
+            raise ValueError(f"priority must be one of {PRIORITIES}, got {self.priority!r}")
+        if self.priority == "continuing_session" and self.session_id is None:
+            raise ValueError("priority 'continuing_session' needs a session_id")
 
 
 class AdmissionQueueStore:

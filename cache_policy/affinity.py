@@ -15,8 +15,10 @@ import random
 from collections.abc import Mapping, Sequence
 
 from cache_policy.config import PolicyConfig
-from cache_policy.pins import Pin, PinKind, PinTable
+from cache_policy.move_rule import move_target
 from cache_policy.prefix_index import PrefixIndex
+from cache_policy.registry import KeyRecord as Pin
+from cache_policy.registry import KeyRegistry, PinKind
 from cache_policy.selection import healthy, least_loaded, load, longest_prefix
 from cache_policy.types import Decision, ReplicaId, ReplicaView, RequestView, RouteReason
 
@@ -33,11 +35,12 @@ class PrefixAffinityPolicy:
     (session/group -> replica, with each pin's own in-flight count). ``select`` reads
     state (and refreshes LRU positions); ``on_routed`` / ``on_finished`` write it.
 
-    * A pin holds while its replica is healthy, present and not overloaded: its load less
-      the pin's own in-flight requests exceeds ``repin_overload_factor * min(other healthy
-      loads) + balance_abs_threshold``. Otherwise it moves (``REPIN``) to the healthy
-      replica with the longest prefix, ties -> least loaded -> rng, leaving out an
-      overloaded pinned replica; ``Decision.extra`` says ``moved_pin`` and ``from``.
+    * A pin holds while its replica is healthy and present, unless staying costs more than
+      moving (``cache_policy.move_rule``: the replica is saturated and another one holds
+      the prefix, or has room and the prefix is cheaper to prefill again than the wait); a
+      session with a request in flight never moves. A pin on an unhealthy or absent
+      replica moves at once to the healthy replica with the longest prefix, ties -> least
+      loaded -> rng. A move is ``REPIN``; ``Decision.extra`` says ``moved_pin`` and ``from``.
     * Without a pin, the replica holding the most leading blocks wins (``PREFIX``) when it
       holds at least ``cache_threshold`` of the request's blocks (and at least one),
       unless the balance guard engages (``BALANCE``: least loaded, ties -> longest prefix
@@ -46,11 +49,11 @@ class PrefixAffinityPolicy:
 
     name = "prefix_affinity"
 
-    def __init__(self, cfg: PolicyConfig, rng: random.Random) -> None:
+    def __init__(self, cfg: PolicyConfig, rng: random.Random, pins: KeyRegistry | None = None) -> None:
         self.cfg = cfg
         self.rng = rng
-        self.index = PrefixIndex(cfg.max_index_blocks)
-        self.pins = PinTable(cfg.max_pins)
+        self.index = PrefixIndex(cfg.max_index_blocks, cfg.predicted_ttl_s)
+        self.pins = pins if pins is not None else KeyRegistry(cfg.max_pins, cfg.key_ttl_s)
 
     def select(self, request: RequestView, replicas: Sequence[ReplicaView]) -> Decision | None:
         """Where ``request`` should go; ``None`` when no replica is healthy."""
@@ -66,23 +69,23 @@ class PrefixAffinityPolicy:
 
     def on_routed(self, request: RequestView, decision: Decision) -> None:
         """Pin the session (always) and the group (if new or moved); index the prompt."""
-        rid = decision.replica_id
+        rid, count = decision.replica_id, request.fan_out
         if request.session_id is not None:
             self.pins.record("session", request.session_id, rid)
-            self.pins.started("session", request.session_id, rid)
+            self.pins.started("session", request.session_id, rid, count)
         if request.group_id is not None:
             moved = decision.extra.get("moved_pin") == "group"
             if moved or self.pins.get("group", request.group_id) is None:
                 self.pins.record("group", request.group_id, rid)
-            self.pins.started("group", request.group_id, rid)
+            self.pins.started("group", request.group_id, rid, count)
         self.index.insert(request.block_hashes, rid)
 
     def on_finished(self, request: RequestView, replica_id: ReplicaId) -> None:
         """Release the request's share of its pins' own in-flight counts."""
         if request.session_id is not None:
-            self.pins.finished("session", request.session_id, replica_id)
+            self.pins.finished("session", request.session_id, replica_id, request.fan_out)
         if request.group_id is not None:
-            self.pins.finished("group", request.group_id, replica_id)
+            self.pins.finished("group", request.group_id, replica_id, request.fan_out)
 
     def on_rejected(self, request: RequestView, decision: Decision) -> None:
         """The replica refused the request: un-index the blocks this request added (those past
@@ -94,6 +97,10 @@ class PrefixAffinityPolicy:
         current = set(replica_ids)
         for gone in (self.index.replicas() | self.pins.replicas()) - current:
             self.forget_replica(gone)
+
+    def on_cache_reset(self, replica_id: ReplicaId) -> None:
+        """``replica_id``'s prefix cache was emptied: predict no hits there (pins stay)."""
+        self.index.remove_replica(replica_id)
 
     def forget_replica(self, replica_id: ReplicaId) -> None:
         """Forget ``replica_id``'s pins and blocks (it left, restarted or flushed its cache)."""
@@ -119,28 +126,24 @@ class PrefixAffinityPolicy:
             if pin is None:
                 continue
             view = by_id.get(pin.replica)
-            if view is not None and view.healthy and not self._overloaded(view, pin, candidates):
+            if view is None or not view.healthy:
+                return self._repin(kind, pin, longest_prefix(candidates, matched, self.rng), matched)
+            target = self._cheaper_elsewhere(kind, view, pin, request, candidates, matched)
+            if target is None:
                 return _decide(view, reason, matched)
-            return self._repin(kind, pin, candidates, matched)
+            return self._repin(kind, pin, target, matched)
         return None
 
-    def _overloaded(self, view: ReplicaView, pin: Pin, candidates: Sequence[ReplicaView]) -> bool:
-        others = [load(c) for c in candidates if c.replica_id != view.replica_id]
-        if not others:
-            return False
-        foreign = max(0, load(view) - pin.own_in_flight)
-        limit = self.cfg.repin_overload_factor * min(others) + self.cfg.balance_abs_threshold
-        return foreign > limit
+    def _cheaper_elsewhere(self, kind: PinKind, view: ReplicaView, pin: Pin, request: RequestView,
+                           candidates: Sequence[ReplicaView],
+                           matched: Mapping[ReplicaId, int]) -> ReplicaView | None:
+        """Where the pin should move although its replica is healthy, or None to stay."""
+        if kind == "session" and pin.own_in_flight > 0:
+            return None  # never in the middle of a request
+        return move_target(view, request, candidates, matched, self.cfg, self.rng)
 
-    def _repin(
-        self,
-        kind: PinKind,
-        pin: Pin,
-        candidates: Sequence[ReplicaView],
-        matched: Mapping[ReplicaId, int],
-    ) -> Decision:
-        pool = [c for c in candidates if c.replica_id != pin.replica] or list(candidates)
-        chosen = longest_prefix(pool, matched, self.rng)
+    @staticmethod
+    def _repin(kind: PinKind, pin: Pin, chosen: ReplicaView, matched: Mapping[ReplicaId, int]) -> Decision:
         extra = {"moved_pin": kind, "from": str(pin.replica)}
         return _decide(chosen, RouteReason.REPIN, matched, extra)
 

@@ -15,6 +15,7 @@ from typing import Protocol
 from cache_policy.affinity import PrefixAffinityPolicy
 from cache_policy.config import PolicyConfig
 from cache_policy.least_load import LeastLoadPolicy
+from cache_policy.registry import KeyRegistry
 from cache_policy.round_robin import RoundRobinPolicy
 from cache_policy.types import Decision, ReplicaId, ReplicaView, RequestView
 
@@ -39,8 +40,12 @@ class Policy(Protocol):
 
     def on_replicas_changed(self, replica_ids: Sequence[ReplicaId]) -> None: ...
 
+    def on_cache_reset(self, replica_id: ReplicaId) -> None: ...
 
-PolicyFactory = Callable[[PolicyConfig, random.Random], Policy]
+    def check_integrity(self) -> None: ...
+
+
+PolicyFactory = Callable[..., Policy]
 
 POLICIES: dict[str, PolicyFactory] = {
     PrefixAffinityPolicy.name: PrefixAffinityPolicy,
@@ -50,11 +55,13 @@ POLICIES: dict[str, PolicyFactory] = {
 """Registered policies by name: ``prefix_affinity``, ``round_robin``, ``least_load``."""
 
 
-def make_policy(name: str, cfg: PolicyConfig, rng: random.Random) -> Policy:
-    """Build the policy called ``name``; ValueError listing the valid names otherwise."""
+def make_policy(name: str, cfg: PolicyConfig, rng: random.Random, pins: KeyRegistry | None = None) -> Policy:
+    """Build the policy called ``name``; ValueError listing the valid names otherwise.
+
+    ``pins``: the core's key registry, for policies that pin sessions and groups (else their own)."""
     try:
         factory = POLICIES[name]
     except KeyError as exc:
         valid = ", ".join(sorted(POLICIES))
         raise ValueError(f"unknown policy {name!r}; valid policy names: {valid}") from exc
-    return factory(cfg, rng)
+    return factory(cfg, rng, pins=pins) if factory is PrefixAffinityPolicy else factory(cfg, rng)

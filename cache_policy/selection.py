@@ -67,3 +67,9 @@ class NoopHooks:
 
     def on_replicas_changed(self, replica_ids: Sequence[ReplicaId]) -> None:
         """Called with the full current set of replica ids when it changes."""
+
+    def on_cache_reset(self, replica_id: ReplicaId) -> None:
+        """Called when ``replica_id``'s prefix cache was emptied."""
+
+    def check_integrity(self) -> None:
+        """Stateless: nothing can be corrupt."""

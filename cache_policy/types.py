@@ -34,9 +34,12 @@ class RequestView:
     group_id: str | None = None
     kind: RequestKind = "generate"
     weight_version: int | None = None
+    fan_out: int = 1
+    """Engine requests it stands for (a scoring fan-out's K), in load and pin counts alike."""
 
     def __post_init__(self) -> None:
         assert self.num_prompt_tokens >= 0, self.num_prompt_tokens
+        assert self.fan_out >= 1, self.fan_out
 
 
 @dataclass(frozen=True)

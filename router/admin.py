@@ -40,6 +40,7 @@ from replicas.weights import PAUSE_MODES, WeightUpdateResult, update_weights
 from router import keys
 from router.config import AppConfig
 from router.errors import BadRequest, RouterError, Unauthorized
+from router.lifecycle import Lifecycle
 from router.parse import load_json_object
 
 MODES = ("rolling", "all")
@@ -81,11 +82,12 @@ class ReplicaReport:
 class WeightUpdater:
     """Runs one weight update at a time over the router's replicas."""
 
-    def __init__(self, cfg: AppConfig, dispatcher) -> None:
+    def __init__(self, cfg: AppConfig, lifecycle: Lifecycle) -> None:
         self.cfg = cfg
-        self.dispatcher = dispatcher
-        self.versions = dispatcher.versions
-        self.pool = dispatcher.pool
+        self.lifecycle = lifecycle
+        self.core = lifecycle.core
+        self.versions = lifecycle.core.versions
+        self.pool = lifecycle.pool
         self._lock = asyncio.Lock()
         initial = _initial_weights_path(cfg)
         self.paths: dict[ReplicaId, str | None] = dict.fromkeys(self.pool.ids(), initial)
@@ -104,7 +106,7 @@ class WeightUpdater:
             else:
                 reports = [await self._update_one(rid, req) for rid in targets]
             if not targets:
-                self.versions.finish_update(req.version, req.policy)  # nothing to load: version/policy only
+                self.core.finish_update(req.version, req.policy)  # nothing to load: version/policy only
             self.last_report = {
                 "ok": all(r.ok for r in reports), "version": req.version, "policy": req.policy, "mode": req.mode,
                 "pause_mode": req.pause_mode, "seconds": round(time.monotonic() - started, 3),
@@ -116,46 +118,39 @@ class WeightUpdater:
         if req.replicas is not None:
             return list(req.replicas)
         return [rid for rid in self.pool.ids()
-                if self.versions.loaded(rid) != req.version or rid in self.versions.rotation]
+                if self.versions.loaded.get(rid) != req.version or rid in self.versions.rotation]
 
     async def _update_one(self, rid: ReplicaId, req: UpdateRequest) -> ReplicaReport:
         self._take_out([rid], "updating")
         flush = req.policy == "flush"
         result = await update_weights(
-            self.dispatcher.http, self.pool.get(rid).endpoint.base_url, req.weights_path,
+            self.lifecycle.http, self.pool.get(rid).endpoint.base_url, req.weights_path,
             pause_mode=req.pause_mode, reset_prefix_cache=flush, preempt_running=flush and req.preempt_running,
             restore_path=self.paths.get(rid))
         self._record(rid, req, result)
-        return ReplicaReport(rid, result.ok, self.versions.loaded(rid), result.reset_confirmed, result.weights,
+        return ReplicaReport(rid, result.ok, self.versions.loaded.get(rid), result.reset_confirmed, result.weights,
                              result.error, round(result.seconds, 3))
 
     def _record(self, rid: ReplicaId, req: UpdateRequest, result: WeightUpdateResult) -> None:
-        """Loaded version, prefix index and rotation after one replica's update."""
+        """Tell the core what one replica's update did: loaded version, cache, rotation."""
         if result.weights == "new":
-            self.versions.set_loaded(rid, req.version)
+            self.core.version_loaded(rid, req.version)
             self.paths[rid] = req.weights_path
         elif result.weights == "undefined":
-            self.versions.set_loaded(rid, None)
+            self.core.version_loaded(rid, None)
         if result.reset_confirmed:
-            index = getattr(self.dispatcher.policy, "index", None)
-            if index is not None:
-                index.remove_replica(rid)  # its cache is empty now: predict no hits there
+            self.core.cache_reset(rid)  # its cache is empty now: predict no hits there
         if result.ok:
-            self.versions.finish_update(req.version, req.policy)
-            self.versions.put_back(rid)
+            self.core.finish_update(req.version, req.policy)
+            self.core.set_rotation(rid, None)
         else:
-            self.versions.take_out([rid], f"failed: {result.error}")
-        self._sync_admission()
+            self.core.set_rotation(rid, f"failed: {result.error}")
+        self.lifecycle.rotation_changed()
 
     def _take_out(self, rids: list[ReplicaId], reason: str) -> None:
-        self.versions.take_out(rids, reason)
-        self._sync_admission()
-
-    def _sync_admission(self) -> None:
-        admission = self.dispatcher.admission
-        if admission is not None:
-            admission.paused = set(self.versions.rotation)
-            admission.pump()
+        for rid in rids:
+            self.core.set_rotation(rid, reason)
+        self.lifecycle.rotation_changed()
 
 
 def parse_update(body: dict[str, Any], cfg: AppConfig, known: list[ReplicaId], current: int | None) -> UpdateRequest:
@@ -204,7 +199,7 @@ async def post_weights(request: web.Request) -> web.Response:
     """POST /admin/weights handler."""
     check_token(request)
     updater = request.app[keys.WEIGHT_UPDATER]
-    versions = request.app[keys.VERSIONS]
+    versions = request.app[keys.CORE].versions
     req = parse_update(load_json_object(await request.read()), request.app[keys.CONFIG],
                        request.app[keys.POOL].ids(), versions.current)
     report = await updater.update(req)
@@ -215,7 +210,7 @@ async def get_weights(request: web.Request) -> web.Response:
     """GET /admin/weights: current version, policy, each replica's version and rotation."""
     check_token(request)
     updater = request.app[keys.WEIGHT_UPDATER]
-    return web.json_response({**request.app[keys.VERSIONS].describe(), "last_update": updater.last_report})
+    return web.json_response({**request.app[keys.CORE].versions.describe(), "last_update": updater.last_report})
 
 
 def _initial_weights_path(cfg: AppConfig) -> str | None:

@@ -4,47 +4,62 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import random
+import logging
 import time
 from typing import AsyncIterator, Sequence
 
 import aiohttp
 from aiohttp import web
 
-from cache_policy.policy import make_policy
+from cache_policy.core import DecisionCore
+from replicas.auth import PROCESS_KEYS
 from replicas.replica_set import ReplicaEndpoint
 from router import admin, handlers, keys, score
-from router.admission import AdmissionController
 from router.config import AppConfig
-from router.dispatch import Dispatcher
+from router.edge import edge_middleware
 from router.errors import error_middleware
+from router.kv_events import kv_events_ctx
+from router.lifecycle import Lifecycle
 from router.metrics import RouterMetrics, metrics_middleware
 from router.pool import ReplicaPool
 from router.scrape import scrape_once
 from router.shared_state import make_state
 from router.tokenize import PromptTokenizer
-from router.versions import WeightVersions
+
+
+log = logging.getLogger(__name__)
+
+
+def make_core(cfg: AppConfig, endpoints: Sequence[ReplicaEndpoint]) -> DecisionCore:
+    """The decision core for ``cfg``, with ``endpoints`` as its replicas. ValueError when the
+    replicas disagree on the KV block size."""
+    r = cfg.router
+    core = DecisionCore(cfg.policy, policy=r.policy, seed=r.seed, weight_update_policy=r.weight_update_policy,
+                        initial_version=r.initial_weight_version, admission=r.admission)
+    for ep in endpoints:
+        core.add_replica(ep.replica_id, block_size=ep.block_size, num_gpu_blocks=ep.num_gpu_blocks,
+                         scoring_cap=ep.scoring_cap)
+    return core
 
 
 def create_app(cfg: AppConfig, endpoints: Sequence[ReplicaEndpoint], tokenizer: PromptTokenizer) -> web.Application:
     """Build the router app for ``endpoints``. ``tokenizer`` must be the replicas' model's."""
     metrics = RouterMetrics()
-    app = web.Application(middlewares=[metrics_middleware(metrics), error_middleware],
-                          client_max_size=64 * 1024 * 1024)
+    app = web.Application(middlewares=[metrics_middleware(metrics), error_middleware, edge_middleware(cfg)],
+                          client_max_size=cfg.router.max_body_bytes)
     app[keys.CONFIG] = cfg
     app[keys.POOL] = ReplicaPool(endpoints)
     app[keys.METRICS] = metrics
     app[keys.TOKENIZER] = tokenizer
-    app[keys.VERSIONS] = WeightVersions(app[keys.POOL], cfg.router.weight_update_policy,
-                                        cfg.router.initial_weight_version, cfg.policy)
-    app[keys.ADMISSION] = AdmissionController(cfg.policy, app[keys.POOL], app[keys.METRICS].registry,
-                                              enabled=cfg.router.admission)
-    app.cleanup_ctx.extend([_http_session, _scraper])
+    app[keys.CORE] = make_core(cfg, endpoints)
+    app.cleanup_ctx.extend([_http_session, _scraper, kv_events_ctx])
     app.router.add_post("/v1/completions", handlers.completions)
     app.router.add_post("/v1/chat/completions", handlers.chat_completions)
     app.router.add_post("/v1/score", score.score)
     app.router.add_get("/v1/models", handlers.models)
     app.router.add_get("/health", handlers.health)
+    app.router.add_get("/openapi.json", handlers.openapi)
+    app.router.add_delete("/v1/sessions/{session_id}", handlers.end_session)
     app.router.add_get("/metrics", app[keys.METRICS].handle)
     app.router.add_post("/admin/weights", admin.post_weights)
     app.router.add_get("/admin/weights", admin.get_weights)
@@ -52,7 +67,7 @@ def create_app(cfg: AppConfig, endpoints: Sequence[ReplicaEndpoint], tokenizer: 
 
 
 async def _http_session(app: web.Application) -> AsyncIterator[None]:
-    """The one ClientSession to the replicas, and the dispatcher that uses it."""
+    """The one ClientSession to the replicas, and the request lifecycle that uses it."""
     cfg = app[keys.CONFIG]
     timeout = aiohttp.ClientTimeout(total=cfg.router.request_timeout_s, sock_connect=5)
     # vLLM's server closes idle keep-alive connections after 5 s: drop ours sooner, so a
@@ -60,14 +75,12 @@ async def _http_session(app: web.Application) -> AsyncIterator[None]:
     connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=3)
     state = make_state(cfg.router.state, cfg.router.redis_url)
     await state.register(list(endpoints_of(app)))
-    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as http:
+    # PROCESS_KEYS: each replica's key on every call to it (replicas.auth; replicas refuse calls without it)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector, middlewares=(PROCESS_KEYS,)) as http:
         app[keys.HTTP] = http
-        policy = make_policy(cfg.router.policy, cfg.policy, random.Random(cfg.router.seed))
-        policy.on_replicas_changed(app[keys.POOL].ids())
-        app[keys.DISPATCHER] = Dispatcher(cfg.router, app[keys.POOL], policy, app[keys.METRICS], http,
-                                          admission=app[keys.ADMISSION], versions=app[keys.VERSIONS],
-                                          shared=state)
-        app[keys.WEIGHT_UPDATER] = admin.WeightUpdater(cfg, app[keys.DISPATCHER])
+        app[keys.LIFECYCLE] = Lifecycle(cfg.router, app[keys.CORE], app[keys.POOL], app[keys.METRICS], http,
+                                        shared=state)
+        app[keys.WEIGHT_UPDATER] = admin.WeightUpdater(cfg, app[keys.LIFECYCLE])
         try:
             yield
         finally:
@@ -91,10 +104,23 @@ async def _scraper(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _scrape_loop(app: web.Application, interval_s: float) -> None:
-    """Scrape every replica each ``interval_s`` seconds; each round wakes the admission queue."""
-    http, pool, metrics, admission = app[keys.HTTP], app[keys.POOL], app[keys.METRICS], app[keys.ADMISSION]
+    """Scrape every replica each ``interval_s`` seconds; each round wakes the admission queue.
+    Survives anything one replica or one round throws (logged once per cause)."""
+    http, pool, metrics, core = app[keys.HTTP], app[keys.POOL], app[keys.METRICS], app[keys.CORE]
+    seen: set[str] = set()
     while True:
         started = time.monotonic()
-        await asyncio.gather(*(scrape_once(http, s, metrics) for s in list(pool.states())))
-        admission.on_scrape(started)
+        results = await asyncio.gather(*(scrape_once(http, s, core, metrics, started) for s in list(pool.states())),
+                                       return_exceptions=True)
+        for exc in results:
+            if isinstance(exc, Exception) and repr(type(exc)) not in seen:
+                seen.add(repr(type(exc)))
+                log.warning("metrics scrape failed unexpectedly (logged once per cause): %r", exc)
+        try:
+            app[keys.LIFECYCLE].pump()
+            metrics.publish_replicas(core, pool)
+        except Exception as exc:  # noqa: BLE001 - the loop must outlive one bad round
+            if repr(type(exc)) not in seen:
+                seen.add(repr(type(exc)))
+                log.exception("scrape round failed (logged once per cause): %r", exc)
         await asyncio.sleep(interval_s)

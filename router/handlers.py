@@ -1,30 +1,30 @@
-"""HTTP handlers: parse, tokenize, hand to the dispatcher. No routing logic lives here."""
+"""HTTP handlers: parse, tokenize, hand to the request lifecycle. No routing logic lives here."""
 
 from __future__ import annotations
 
 from aiohttp import web
 
 from router import keys
-from router.parse import load_json_object, parse_chat, parse_completion
+from router.generate import forward
+from router.intake import read_chat, read_completion
+from router.schemas import openapi_document
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     """POST /v1/completions: prompt as text or token IDs; streaming or not."""
-    parsed = parse_completion(load_json_object(await request.read()), request.headers)
-    prompt = parsed.prompt
-    tokenizer = request.app[keys.TOKENIZER]
-    if isinstance(prompt, list):
-        tokenizer.check_ids(prompt, "prompt")
-    token_ids = prompt if isinstance(prompt, list) else await tokenizer.acompletion_ids(prompt)
-    return await request.app[keys.DISPATCHER].forward(request, parsed, token_ids)
+    parsed, token_ids = await read_completion(request)
+    return await forward(request, parsed, token_ids)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    """POST /v1/chat/completions: messages rendered with the model's chat template."""
-    parsed = parse_chat(load_json_object(await request.read()), request.headers)
-    add_generation_prompt = bool(parsed.body.get("add_generation_prompt", True))
-    token_ids = await request.app[keys.TOKENIZER].achat_ids(parsed.messages, add_generation_prompt)
-    return await request.app[keys.DISPATCHER].forward(request, parsed, token_ids)
+    """POST /v1/chat/completions: messages rendered as vLLM renders them (``router.tokenize``)."""
+    parsed, token_ids = await read_chat(request)
+    return await forward(request, parsed, token_ids)
+
+
+async def openapi(request: web.Request) -> web.Response:
+    """GET /openapi.json: the router's OpenAPI document, built from its request models."""
+    return web.json_response(openapi_document())
 
 
 async def models(request: web.Request) -> web.Response:
@@ -36,15 +36,27 @@ async def models(request: web.Request) -> web.Response:
 
 async def health(request: web.Request) -> web.Response:
     """GET /health: 200 while at least one healthy replica is in rotation, else 503; lists replicas."""
-    pool = request.app[keys.POOL]
-    rotation = request.app[keys.VERSIONS].rotation
-    replicas = [{
-        "replica": s.endpoint.replica_id, "url": s.endpoint.base_url, "healthy": s.healthy,
-        "in_flight": s.in_flight, "kv_cache_usage": s.metrics.kv_cache_usage,
-        "scoring_cap": s.endpoint.scoring_cap, "weight_version": s.weight_version,
-        "in_rotation": s.endpoint.replica_id not in rotation,
-        "out_of_rotation_reason": rotation.get(s.endpoint.replica_id),
-    } for s in pool.states()]
+    pool, core = request.app[keys.POOL], request.app[keys.CORE]
+    rotation = core.versions.rotation
+    replicas = []
+    for s in pool.states():
+        rid = s.endpoint.replica_id
+        rec = core.replicas.get(rid)
+        replicas.append({
+            "replica": rid, "url": s.endpoint.base_url, "healthy": rec is not None and rec.healthy,
+            "in_flight": core.in_flight(rid), "kv_cache_usage": s.metrics.kv_cache_usage,
+            "scoring_cap": s.endpoint.scoring_cap, "weight_version": core.versions.loaded.get(rid),
+            "in_rotation": rid not in rotation, "out_of_rotation_reason": rotation.get(rid),
+        })
     ok = any(r["healthy"] and r["in_rotation"] for r in replicas)
     return web.json_response({"status": "ok" if ok else "unavailable", "replicas": replicas},
                              status=200 if ok else 503)
+
+
+async def end_session(request: web.Request) -> web.Response:
+    """DELETE /v1/sessions/{session_id}: the client is done with the session; its pin and parked
+    prefix are released at once (idle expiry remains for clients that never say so)."""
+    session_id = request.match_info["session_id"]
+    request.app[keys.CORE].end_session(session_id)
+    request.app[keys.LIFECYCLE].pump()
+    return web.json_response({"session_id": session_id, "ended": True})

@@ -8,21 +8,19 @@ import aiohttp
 from aiohttp import web
 
 if TYPE_CHECKING:
+    from cache_policy.core import DecisionCore
     from router.admin import WeightUpdater
-    from router.admission import AdmissionController
     from router.config import AppConfig
-    from router.dispatch import Dispatcher
+    from router.lifecycle import Lifecycle
     from router.metrics import RouterMetrics
     from router.pool import ReplicaPool
     from router.tokenize import PromptTokenizer
-    from router.versions import WeightVersions
 
 CONFIG = web.AppKey("config", "AppConfig")
 POOL = web.AppKey("pool", "ReplicaPool")
+CORE = web.AppKey("core", "DecisionCore")
 METRICS = web.AppKey("metrics", "RouterMetrics")
 HTTP = web.AppKey("http", aiohttp.ClientSession)
 TOKENIZER = web.AppKey("tokenizer", "PromptTokenizer")
-DISPATCHER = web.AppKey("dispatcher", "Dispatcher")
-ADMISSION = web.AppKey("admission", "AdmissionController")
-VERSIONS = web.AppKey("versions", "WeightVersions")
+LIFECYCLE = web.AppKey("lifecycle", "Lifecycle")
 WEIGHT_UPDATER = web.AppKey("weight_updater", "WeightUpdater")

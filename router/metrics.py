@@ -39,6 +39,61 @@ class RouterMetrics:
                                  ["endpoint"], registry=r,
                                  buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
 
+        self.hit_rate = Gauge("rollout_router_prefix_cache_hit_rate", "Cached prompt tokens / prompt tokens the "
+                              "replica reported over this router's requests (0..1), by replica", ["replica"], registry=r)
+        self.saved = Counter("rollout_router_prefill_tokens_saved", "Prompt tokens the replica did not prefill "
+                             "(reported cached), by replica", ["replica"], registry=r)
+        self.admission_admitted = Counter("rollout_router_admission_admitted", "Requests admitted, by replica and "
+                                          "whether they waited", ["replica", "waited"], registry=r)
+        self.admission_queued = Counter("rollout_router_admission_queued", "Requests that had to wait, by priority",
+                                        ["priority"], registry=r)
+        self.admission_rejected = Counter("rollout_router_admission_rejected", "Requests refused with 429, by "
+                                          "reason (queue_full, timeout, displaced)", ["reason"], registry=r)
+        self.admission_wait = Histogram("rollout_router_admission_queue_wait_seconds", "Time queued requests "
+                                        "waited", registry=r, buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60))
+        self.admission_queue_length = Gauge("rollout_router_admission_queue_length", "Requests waiting", registry=r)
+        self.projected = Gauge("rollout_router_admission_projected_kv_usage", "KV usage (0..1) the router projects: "
+                               "running, reserved and parked blocks (the scraped value is "
+                               "rollout_router_replica_kv_cache_usage)", ["replica"], registry=r)
+        self.parked = Gauge("rollout_router_admission_parked_blocks", "Blocks of live sessions between turns",
+                            ["replica"], registry=r)
+        self.replica_requests = Gauge("rollout_router_replica_requests", "Requests the replica reported in its last "
+                                      "scrape, by state (running, waiting)", ["replica", "state"], registry=r)
+        self.replica_preemptions = Gauge("rollout_router_replica_preemptions", "The replica's own preemption count "
+                                         "(vllm:num_preemptions_total) at its last scrape", ["replica"], registry=r)
+        self._prompt: dict[str, int] = {}
+        self._cached: dict[str, int] = {}
+
+    def count_prompt(self, job, prompt_tokens: int, reported_cached: int | None) -> None:
+        """A replica accepted ``job``: ``prompt_tokens`` it prefills (every sample's, every
+        response's), the router's predicted cached tokens, and the cached tokens it reported."""
+        rid = str(job.replica_id)
+        samples = max(1, prompt_tokens // max(1, job.view.num_prompt_tokens))
+        self.prompt_tokens.labels(rid).inc(prompt_tokens)
+        self.predicted_cached.labels(rid).inc(job.expected_cached_tokens * samples)
+        if reported_cached is None:
+            return
+        self.reported_cached.labels(rid).inc(reported_cached)
+        self.saved.labels(rid).inc(reported_cached)
+        self._prompt[rid] = self._prompt.get(rid, 0) + prompt_tokens
+        self._cached[rid] = self._cached.get(rid, 0) + reported_cached
+        self.hit_rate.labels(rid).set(self._cached[rid] / max(1, self._prompt[rid]))
+
+    def publish_replicas(self, core, pool) -> None:
+        """Per-replica gauges after a scrape: projected usage, parked blocks, the replica's own counts."""
+        for state in pool.states():
+            rid = state.endpoint.replica_id
+            if rid not in core.replicas:
+                continue
+            view = core.replica_view(rid)
+            if view.num_gpu_blocks:
+                self.projected.labels(rid).set(view.kv_cache_usage)
+            self.parked.labels(rid).set(core.registry.parked_blocks(rid))
+            m = state.metrics
+            self.replica_requests.labels(rid, "running").set(m.num_running)
+            self.replica_requests.labels(rid, "waiting").set(m.num_waiting)
+            self.replica_preemptions.labels(rid).set(m.num_preemptions)
+
     async def handle(self, request: web.Request) -> web.Response:
         """GET /metrics in the Prometheus text format."""
         resp = web.Response(body=generate_latest(self.registry))

@@ -48,6 +48,24 @@ async def post_json(http: aiohttp.ClientSession, url: str, body: dict[str, Any])
     return upstream_result(status, raw)
 
 
+_TAIL_BYTES = 8192
+"""How much of a stream's end is kept to read its usage chunk (the last ``data:`` event)."""
+
+
+def stream_cached_tokens(tail: bytes) -> int | None:
+    """``usage.prompt_tokens_details.cached_tokens`` of the last event carrying usage, if any
+    (vLLM sends it when the client asked ``stream_options.include_usage``)."""
+    for line in reversed(tail.split(b"\n")):
+        if line.startswith(b"data:") and b'"usage"' in line:
+            try:
+                usage = json.loads(line[5:]).get("usage") or {}
+            except (ValueError, AttributeError):
+                return None
+            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+            return cached if isinstance(cached, int) else None
+    return None
+
+
 def upstream_result(status: int, raw: bytes) -> UpstreamResult:
     """An upstream answer's status and body, with the body decoded if it is JSON."""
     try:
@@ -75,10 +93,13 @@ async def relay_stream(client: web.Request, http: aiohttp.ClientSession, url: st
         resp = web.StreamResponse(status=200, headers={**headers, "Cache-Control": "no-cache"})
         resp.content_type = "text/event-stream"
         await resp.prepare(client)
+        tail = b""
         try:
             async for chunk in up.content.iter_any():
                 await resp.write(chunk)
+                tail = (tail + chunk)[-_TAIL_BYTES:]
             await resp.write_eof()
+            resp["rollout_cached_tokens"] = stream_cached_tokens(tail)
         except ConnectionResetError:  # the client went away mid-stream: an expected outcome
             log.info("client disconnected from %s mid-stream; aborting upstream", url)
             up.close()  # dropping the upstream connection makes vLLM abort and free the KV cache

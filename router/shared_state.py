@@ -17,6 +17,7 @@ import json
 import logging
 from typing import Protocol, Sequence
 
+from cache_policy.core import DecisionCore, Job
 from cache_policy.types import ReplicaId, RequestView
 
 from redis.exceptions import RedisError
@@ -39,9 +40,23 @@ class SharedState(Protocol):
 
     async def close(self) -> None: ...
 
+    async def adopt_pins(self, core: DecisionCore, job: Job) -> None: ...
 
-class MemoryState:
-    """Single-router default: the policy's own pin table is the whole truth."""
+    async def publish_pins(self, job: Job) -> None: ...
+
+
+class _PinSync:
+    """``adopt_pins`` / ``publish_pins`` on top of a state's ``pull_pins`` / ``push_pins``."""
+
+    async def adopt_pins(self, core: DecisionCore, job: Job) -> None:
+        await adopt_shared_pins(self, core, job)  # type: ignore[arg-type]
+
+    async def publish_pins(self, job: Job) -> None:
+        await publish_pins(self, job)  # type: ignore[arg-type]
+
+
+class MemoryState(_PinSync):
+    """Single-router default: the core's own pin table is the whole truth."""
 
     def __init__(self) -> None:
         self._versions: dict[ReplicaId, int] = {}
@@ -74,7 +89,7 @@ def _pin_keys(view: RequestView) -> dict[str, str]:
     return keys
 
 
-class RedisState:
+class RedisState(_PinSync):
     """`SharedState` in Redis (``redis.asyncio``). Raises redis errors on I/O failure."""
 
     def __init__(self, url: str, *, prefix: str = "rollout-router:", pin_ttl_s: int = 3600):
@@ -134,30 +149,24 @@ def make_state(kind: str, redis_url: str | None) -> SharedState:
     raise ValueError(f"router.state must be 'memory' or 'redis', got {kind!r}")
 
 
-async def adopt_shared_pins(state: SharedState, policy: object, view: RequestView,
-                            known: Sequence[ReplicaId]) -> None:
-    """Copy the shared pins of ``view``'s keys into ``policy``'s pin table (policies with pins).
+async def adopt_shared_pins(state: SharedState, core: DecisionCore, job: Job) -> None:
+    """Copy the shared pins of ``job``'s keys into the core before it places the job.
 
     A Redis failure is contained: it is logged and the local pins decide (less affinity, no error).
     """
-    pins = getattr(policy, "pins", None)
-    if pins is None:
-        return
     try:
-        shared = await state.pull_pins(view)
+        shared = await state.pull_pins(job.view)
     except (RedisError, OSError) as exc:
         log.warning("shared state unavailable, routing on local pins: %r", exc)
         return
+    keys = {"session": job.spec.session_id, "group": job.spec.group_id}
     for kind, replica in shared.items():
-        key = view.session_id if kind == "session" else view.group_id
-        local = pins.get(kind, key)
-        if replica in known and (local is None or local.replica != replica):
-            pins.record(kind, key, replica)
+        core.adopt_pin(kind, keys[kind], replica)
 
 
-async def publish_pins(state: SharedState, view: RequestView, replica: ReplicaId) -> None:
-    """Share where ``view``'s session/group now runs; a Redis failure is logged, not raised."""
+async def publish_pins(state: SharedState, job: Job) -> None:
+    """Share where ``job``'s session/group now runs; a Redis failure is logged, not raised."""
     try:
-        await state.push_pins(view, replica)
+        await state.push_pins(job.view, job.replica_id)
     except (RedisError, OSError) as exc:
         log.warning("shared state unavailable, pin not shared: %r", exc)

@@ -44,13 +44,13 @@ def config(**router) -> AppConfig:
 async def test_without_the_token_401_and_nothing_changes(http, small, headers):
     base = small.endpoints[0].base_url
     async with running_router(config(), small.endpoints) as (url, app):
-        before = app[keys.VERSIONS].describe()
+        before = app[keys.CORE].versions.describe()
         body = {"version": 9, "weights_path": SEED0, "policy": "flush"}
         async with http.post(url + "/admin/weights", json=body, headers=headers) as r:
             assert r.status == 401 and (await r.json())["error"]["type"] == "authentication_error"
         async with http.get(url + "/admin/weights", headers=headers) as r:
             assert r.status == 401
-        assert app[keys.VERSIONS].describe() == before
+        assert app[keys.CORE].versions.describe() == before
     assert (await call(http, "GET", f"{base}/is_paused")).body == {"is_paused": False}
 
 

@@ -52,12 +52,12 @@ async def test_over_capacity_is_429_with_retry_after(small):
     async with running_router(cfg, small.endpoints) as (url, app):
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as http:
             first = asyncio.ensure_future(http.post(url + "/v1/completions", json=body))
-            pool = app[keys.POOL]
+            core = app[keys.CORE]
             for _ in range(300):  # wait until the first request is admitted and dispatched
-                if any(s.in_flight for s in pool.states()):
+                if any(core.in_flight(rid) for rid in core.replicas):
                     break
                 await asyncio.sleep(0.02)
-            assert any(s.in_flight for s in pool.states()), "the first request never reached its replica"
+            assert any(core.in_flight(rid) for rid in core.replicas), "the first request never reached its replica"
             async with http.post(url + "/v1/completions", json=body) as r:
                 payload = await r.json()
             assert r.status == 429 and int(r.headers["Retry-After"]) >= 1, payload

@@ -33,7 +33,7 @@ async def test_completion_and_score_fail_over_from_an_unreachable_replica(router
         async with router.http.post(url + "/v1/completions", json=body) as r:
             assert r.status == 200, await r.text()
             assert r.headers["X-Rollout-Replica"] == live.replica_id
-        assert app[keys.POOL].get(ReplicaId("replica-dead")).healthy is False
+        assert app[keys.CORE].replicas[ReplicaId("replica-dead")].healthy is False
         metrics = app[keys.METRICS]
         assert metrics.retries.labels("unreachable")._value.get() == 1
 
@@ -44,7 +44,9 @@ async def test_completion_and_score_fail_over_from_an_unreachable_replica(router
             assert r.status == 200, payload
         assert payload["replica"] == live.replica_id
         assert [len(x["logprobs"]) for x in payload["results"]] == [5, 7]
-        assert app[keys.METRICS].retries.labels("score_failed")._value.get() == 1
+        # one lifecycle (issue 9): a scoring fan-out retries and marks the replica as a completion does
+        assert app[keys.METRICS].retries.labels("unreachable")._value.get() == 1
+        assert app[keys.CORE].replicas[ReplicaId("replica-dead")].healthy is False
 
 
 async def test_all_replicas_unreachable_is_a_clear_502(router):

@@ -102,10 +102,10 @@ async def test_streaming_client_disconnect_aborts_upstream(router, replica_set):
         await asyncio.sleep(0.1)
     assert m.num_running == 0
     for _ in range(20):
-        if router.app[keys.POOL].get(rid).in_flight == 0:
+        if router.app[keys.CORE].in_flight(rid) == 0:
             break
         await asyncio.sleep(0.1)
-    assert router.app[keys.POOL].get(rid).in_flight == 0
+    assert router.app[keys.CORE].in_flight(rid) == 0
 
 
 async def test_streaming_relays_all_events(router):

@@ -1,0 +1,137 @@
+"""AdmissionState: the admission state machine of DESIGN rule 3 (queue + ledger + projection).
+
+Operations return decisions; nothing waits here. A routed request *asks* for room on its
+replica and is admitted (a ``Ticket``), queued, or rejected; a finished request *releases*
+its ticket (its session's prefix is then parked); *pump* admits what fits now and refuses
+what waited too long. See ``cache_policy.ledger`` for the projection's picture.
+
+A replica with nothing in flight admits the first queued request whatever the projection
+(``cache_policy.admission.fits``), so parked prefixes can slow new work but never stall it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from cache_policy.admission import AdmissionQueue, AdmissionRequest, classify
+from cache_policy.config import PolicyConfig
+from cache_policy.ledger import KvLedger, Ticket
+from cache_policy.registry import KeyRegistry
+from cache_policy.types import ReplicaId, ReplicaView
+
+Verdict = Literal["admit", "queue", "reject"]
+
+
+@dataclass(frozen=True)
+class Admission:
+    """What admission decided for one request.
+
+    ``verdict``: admit (``ticket`` set), queue (wait for a pump), reject (429 with
+    ``retry_after_s``). ``reason``: idle, under_watermark, under_in_flight_cap (admit);
+    kv_watermark, in_flight_cap, queued_behind (queue); queue_full, timeout, displaced
+    (reject); replica_gone (the replica it waited for left: place it again).
+    """
+
+    verdict: Verdict | Literal["replica_gone"]
+    reason: str
+    retry_after_s: float | None = None
+    ticket: Ticket | None = None
+    waited: bool = False
+
+
+def project(view: ReplicaView, ledger: KvLedger, registry: KeyRegistry) -> ReplicaView:
+    """``view`` as admission sees it: the router's in-flight count, and as ``kv_cache_usage``
+    the projected usage ``(max(scraped * blocks + unseen, committed) + parked) / blocks``.
+
+    A replica of unknown size (``num_gpu_blocks == 0``) keeps its scraped usage.
+    """
+    rid, cap = view.replica_id, view.num_gpu_blocks
+    count = ledger.count(rid)
+    if not cap:
+        return replace(view, in_flight=count)
+    running = max(view.kv_cache_usage * cap + ledger.unseen(rid), ledger.committed(rid))
+    return replace(view, in_flight=count, kv_cache_usage=(running + registry.parked_blocks(rid)) / cap)
+
+
+class AdmissionState:
+    """The queue, the ledger and the rules that join them. With ``enabled=False`` every
+    request is admitted at once (the ledger still counts it)."""
+
+    def __init__(self, cfg: PolicyConfig, registry: KeyRegistry, *, enabled: bool = True) -> None:
+        self.cfg = cfg
+        self.enabled = enabled
+        self.registry = registry
+        self.queue = AdmissionQueue(cfg)
+        self.ledger = KvLedger()
+        self._numbers = itertools.count()
+
+    def request(self, rid: ReplicaId, total_blocks: int, matched_blocks: int, session_id: str | None,
+                group_id: str | None, requests: int, now: float, request_id: str = "") -> AdmissionRequest:
+        """The queue's view of a request of ``total_blocks`` at its peak, ``matched_blocks`` of them
+        expected cached: its priority and the blocks it adds to the projection. Marks its session
+        and group seen (a group's later members are a started group's)."""
+        idle = self.cfg.session_idle_s
+        live = self.registry.is_live("session", session_id, now, idle)
+        started = self.registry.is_live("group", group_id, now, idle)
+        if live:
+            self.registry.seen("session", session_id, now)
+        if group_id is not None:
+            self.registry.seen("group", group_id, now)
+        priority = classify(live, started)
+        holds = total_blocks - min(matched_blocks, total_blocks) if priority == "group_member" else total_blocks
+        counted = min(self.registry.parked_of(session_id, rid), total_blocks)
+        return AdmissionRequest(rid, max(0, holds - counted), priority, session_id, now, request_id, holds, requests)
+
+    def ask(self, request: AdmissionRequest, view: ReplicaView, now: float) -> tuple[Admission, list[AdmissionRequest]]:
+        """Admit, queue (the queue keeps ``request``) or reject; also the requests it displaced."""
+        if not self.enabled:
+            return self._admit(request, now, waited=False), []
+        decision = self.queue.admit(request, project(view, self.ledger, self.registry), 0)
+        displaced = [decision.displaced] if decision.displaced is not None else []
+        if decision.verdict == "admit":
+            return self._admit(request, now, waited=False), displaced
+        if decision.verdict == "reject":
+            return Admission("reject", decision.reason, decision.retry_after_s), displaced
+        return Admission("queue", decision.reason), displaced
+
+    def release(self, ticket: Ticket, now: float, *, park: bool = True) -> None:
+        """The request ended: free its blocks; park its session's prefix (unless ``park`` is False)."""
+        self.ledger.release(ticket)
+        if ticket.session_id is not None:
+            self.registry.seen("session", ticket.session_id, now)
+            if park:
+                self.registry.park(ticket.session_id, ticket.replica_id, ticket.blocks)
+
+    def expire(self, now: float) -> list[AdmissionRequest]:
+        """Queued requests past ``queue_timeout_s`` (reject them: 429)."""
+        return self.queue.expire(now)
+
+    def pump(self, views: list[ReplicaView], now: float) -> list[tuple[AdmissionRequest, Admission]]:
+        """Admit every queued request that fits now, in service order. ``views``: replicas in
+        rotation (an unhealthy or absent replica's requests stay queued)."""
+        waiting = {r.session_id for r in self.queue.waiting() if r.session_id is not None}
+        self.registry.unpark_idle(now, self.cfg.session_idle_s, waiting)
+        projected = [project(v, self.ledger, self.registry) for v in views]
+        return [(r, self._admit(r, now, waited=True)) for r in self.queue.pop_admissible(projected, {}, now)]
+
+    def retry_after_s(self, now: float) -> float:
+        """Seconds a refused client should wait before trying again."""
+        return self.queue.retry_after_s(now)
+
+    def check_integrity(self) -> None:
+        """Raise ``RuntimeError('bug: ...')`` if the queue or the ledger is corrupt."""
+        self.queue.check_integrity()
+        self.ledger.check_integrity()
+
+    def _admit(self, request: AdmissionRequest, now: float, *, waited: bool) -> Admission:
+        rid, sid = request.replica_id, request.session_id
+        ticket = Ticket(rid, request.holds, request.new_blocks, sid, now, request.priority,
+                        next(self._numbers), request.requests)
+        self.ledger.admit(ticket)
+        if sid is not None:
+            self.registry.started_session(sid)
+            self.registry.seen("session", sid, now)
+        reason = "waited" if waited else "admitted"
+        return Admission("admit", reason, ticket=ticket, waited=waited)

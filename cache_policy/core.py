@@ -1,0 +1,422 @@
+"""DecisionCore: the one facade ``router/`` (and ``bench/sim``) calls to decide.
+
+Every routing, admission and version decision lives behind it, with all the state they need:
+
+    replicas      ReplicaRecord per replica: size, health, last scraped load
+    policy        placement (cache_policy.policy: prefix_affinity | round_robin | least_load)
+    registry      sessions and GRPO groups: pins, liveness, start versions, parked prefixes
+    admission     queue + KV ledger + projection (cache_policy.admission_state)
+    versions      loaded versions, salts, rotation (cache_policy.versions)
+
+One lifecycle per request, whatever its kind (completion, chat, scoring fan-out)::
+
+    open(spec) -> Job        salt, version and block hashes decided
+    place(job) -> Decision   replica chosen and recorded (pins, prefix index), or None
+    admit(job) -> Admission  admit (ticket) | queue | reject (429); queued jobs come back from pump()
+    finish(job, outcome)     ticket released, pins' in-flight released; refused / never-dispatched
+                             work un-indexed and unpinned; unreachable replica marked unhealthy
+
+A queued job's fate, and any job displaced or expired as a side effect, is returned by
+``pump(now)``: call it after ``admit`` queued something, after ``finish``, and after each
+replica event. Pure: no I/O, no clock (``now`` is float seconds from the caller).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+from cache_policy.admission import blocks_needed
+from cache_policy.admission_queue import AdmissionRequest
+from cache_policy.admission_state import Admission, AdmissionState, project
+from cache_policy.config import PolicyConfig
+from cache_policy.hashing import block_hashes
+from cache_policy.policy import make_policy
+from cache_policy.registry import KeyRegistry
+from cache_policy.salts import WeightUpdatePolicy
+from cache_policy.types import Decision, ReplicaId, ReplicaView, RequestKind, RequestView
+from cache_policy.versions import SaltChoice, VersionBook
+
+Outcome = Literal["ok", "refused", "unreachable", "retry", "cancelled", "failed"]
+"""How a job ended: ``ok``; ``refused`` (the replica answered 4xx: it prefilled nothing);
+``unreachable`` (nothing reached the replica: it is marked unhealthy, the job may be placed
+again); ``retry`` (the replica failed it before anything reached the client, e.g. a scoring
+row missing: the job may be placed again, the replica stays); ``cancelled`` (the client went
+away); ``failed`` (any other error after dispatch)."""
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """One parsed request, as the core needs it.
+
+    ``token_ids``: the prompt (a scoring request's context); ``new_tokens``: tokens it may
+    generate over all its samples (admission reserves prompt + these); ``fan_out``: engine
+    requests sent at once (a scoring fan-out's K responses), counted in load, pins and
+    admission alike; ``ends_session``: the client's last turn of ``session_id``.
+    """
+
+    token_ids: tuple[int, ...] | list[int]
+    session_id: str | None = None
+    group_id: str | None = None
+    weight_version: int | None = None
+    tenant: str | None = None
+    kind: RequestKind = "generate"
+    new_tokens: int = 0
+    fan_out: int = 1
+    ends_session: bool = False
+
+    def __post_init__(self) -> None:
+        if self.new_tokens < 0 or self.fan_out < 1:
+            raise ValueError(f"new_tokens must be >= 0 and fan_out >= 1, got {self.new_tokens}, {self.fan_out}")
+
+
+@dataclass(frozen=True)
+class ReplicaLoad:
+    """One scrape of a replica's own metrics (``vllm:kv_cache_usage_perc`` in [0, 1], ...)."""
+
+    kv_cache_usage: float = 0.0
+    num_running: int = 0
+    num_waiting: int = 0
+    num_gpu_blocks: int = 0
+    num_preemptions: int = 0
+
+
+@dataclass
+class ReplicaRecord:
+    """What the core knows of one replica."""
+
+    replica_id: ReplicaId
+    block_size: int
+    num_gpu_blocks: int
+    scoring_cap: bool = False
+    healthy: bool = True
+    load: ReplicaLoad = field(default_factory=ReplicaLoad)
+
+    def view(self, version: int | None) -> ReplicaView:
+        """A snapshot for the policies (``in_flight`` is filled in by the core)."""
+        return ReplicaView(self.replica_id, self.healthy, 0, self.load.kv_cache_usage, self.load.num_running,
+                           self.load.num_waiting, self.load.num_gpu_blocks or self.num_gpu_blocks,
+                           self.block_size, self.scoring_cap, version)
+
+
+@dataclass(eq=False)
+class Job:
+    """One request's life in the core. The router holds it between calls and reads
+    ``salt``, ``decision``, ``weight_version`` and ``expected_cached_tokens``."""
+
+    id: int
+    spec: RequestSpec
+    choice: SaltChoice
+    view: RequestView
+    decision: Decision | None = None
+    expected_cached_tokens: int = 0
+    weight_version: int | None = None
+    version_mark: int = 0
+    tried: list[ReplicaId] = field(default_factory=list)
+    admission: Admission | None = None
+    queued: AdmissionRequest | None = None
+    undo_pins: dict[str, ReplicaId | None] = field(default_factory=dict)
+    done: bool = False
+
+    @property
+    def salt(self) -> str | None:
+        return self.choice.salt
+
+    @property
+    def replica_id(self) -> ReplicaId | None:
+        return self.decision.replica_id if self.decision is not None else None
+
+    @property
+    def ticket(self):
+        return self.admission.ticket if self.admission is not None else None
+
+
+class DecisionCore:
+    """See the module docstring. Not thread-safe; every method is microseconds-scale
+    except ``expire`` sweeps (amortized, at most once per ``now`` second)."""
+
+    def __init__(self, cfg: PolicyConfig, *, policy: str = "prefix_affinity", seed: int = 0,
+                 weight_update_policy: WeightUpdatePolicy = "keep+salt", initial_version: int | None = 0,
+                 admission: bool = True) -> None:
+        self.cfg = cfg
+        self.registry = KeyRegistry(cfg.max_pins, cfg.key_ttl_s)
+        self.policy = make_policy(policy, cfg, random.Random(seed), pins=self.registry)
+        self.admission = AdmissionState(cfg, self.registry, enabled=admission)
+        self.versions = VersionBook(weight_update_policy, initial_version)
+        self.replicas: dict[ReplicaId, ReplicaRecord] = {}
+        self._jobs: dict[str, Job] = {}
+        self._outbox: list[tuple[Job, Admission]] = []
+        self._next_id = 0
+        self._swept_at = float("-inf")
+
+    # -- replica events -------------------------------------------------------------------------
+
+    def add_replica(self, rid: ReplicaId, *, block_size: int, num_gpu_blocks: int = 0,
+                    scoring_cap: bool = False, version: int | None = None) -> None:
+        """A replica joined (or came back under ``rid`` with a new endpoint: call
+        ``restarted`` instead to forget its cache). ``version`` defaults to the initial one."""
+        if self.replicas and block_size != self.block_size:
+            raise ValueError(f"replica {rid} has block_size {block_size}, the fleet {self.block_size}; "
+                             "configure one block size")
+        self.replicas[rid] = ReplicaRecord(rid, block_size, num_gpu_blocks, scoring_cap)
+        self.versions.set_loaded(rid, self.versions.initial if version is None else version)
+        self.policy.on_replicas_changed(list(self.replicas))
+
+    def remove_replica(self, rid: ReplicaId, now: float) -> None:
+        """``rid`` left: its pins, index entries and versions go; jobs queued for it come back
+        from ``pump`` as ``replica_gone``."""
+        self._drop_queue(rid)
+        self.replicas.pop(rid, None)
+        self.registry.drop_replica(rid)
+        self.versions.forget_replica(rid)
+        self.admission.ledger.forget_replica(rid)
+        self.policy.on_replicas_changed(list(self.replicas))
+
+    def restarted(self, rid: ReplicaId, *, num_gpu_blocks: int = 0, scoring_cap: bool = False,
+                  version: int | None = None) -> None:
+        """``rid`` came back with an empty cache: forget its index entries and pins."""
+        rec = self.replicas[rid]
+        rec.num_gpu_blocks, rec.scoring_cap, rec.load = num_gpu_blocks, scoring_cap, ReplicaLoad()
+        self.policy.on_cache_reset(rid)
+        self.registry.drop_replica(rid)
+        if version is not None:
+            self.versions.set_loaded(rid, version)
+
+    def set_health(self, rid: ReplicaId, healthy: bool) -> None:
+        """Health from a scrape or a failed dispatch; an unhealthy replica's queue comes back."""
+        rec = self.replicas.get(rid)
+        if rec is None:
+            return
+        rec.healthy = healthy
+        if not healthy:
+            self._drop_queue(rid)
+
+    def observe_load(self, rid: ReplicaId, load: ReplicaLoad, scrape_started_at: float) -> None:
+        """A scrape that began at ``scrape_started_at`` shows every request admitted before it."""
+        rec = self.replicas.get(rid)
+        if rec is not None:
+            rec.load = load
+            self.admission.ledger.scraped_at[rid] = scrape_started_at
+
+    def cache_reset(self, rid: ReplicaId) -> None:
+        """``rid``'s prefix cache was emptied (a confirmed reset): predict no hits there."""
+        self.policy.on_cache_reset(rid)
+
+    def version_loaded(self, rid: ReplicaId, version: int | None) -> None:
+        """``rid`` now serves ``version`` (None: unknown, after a failed reload)."""
+        self.versions.set_loaded(rid, version)
+
+    def finish_update(self, version: int, policy: WeightUpdatePolicy) -> None:
+        """An update to ``version`` under ``policy`` reached at least one replica."""
+        self.versions.finish_update(version, policy)
+
+    def set_rotation(self, rid: ReplicaId, reason: str | None) -> None:
+        """Take ``rid`` out of rotation for ``reason``, or (None) put it back."""
+        if reason is None:
+            self.versions.rotation.pop(rid, None)
+        else:
+            self.versions.rotation[rid] = reason
+
+    def adopt_pin(self, kind: str, key: str | None, rid: ReplicaId) -> None:
+        """Another router pinned ``key`` to ``rid`` (shared state): follow it if ``rid`` is ours."""
+        if key is None or rid not in self.replicas or kind not in ("session", "group"):
+            return
+        rec = self.registry.get(kind, key)  # type: ignore[arg-type]
+        if rec is None or rec.replica != rid:
+            self.registry.record(kind, key, rid)  # type: ignore[arg-type]
+
+    def end_session(self, session_id: str) -> None:
+        """The client ended ``session_id``: its pin and parked prefix are released at once."""
+        self.registry.end("session", session_id)
+
+    # -- the request lifecycle ------------------------------------------------------------------
+
+    @property
+    def block_size(self) -> int:
+        """The fleet's KV block size in tokens (every replica has the same)."""
+        if not self.replicas:
+            raise ValueError("no replica: add one before routing")
+        return next(iter(self.replicas.values())).block_size
+
+    def open(self, spec: RequestSpec, now: float) -> Job:
+        """Start a job: its salt and version (recording a new key's start version) and hashes."""
+        self.registry.advance(now)
+        self._sweep(now)
+        choice = self.versions.assign(self.registry, spec.session_id, spec.group_id, spec.weight_version,
+                                      spec.tenant)
+        hashes = tuple(block_hashes(spec.token_ids, self.block_size, choice.salt))
+        view = RequestView(hashes, len(spec.token_ids), spec.session_id, spec.group_id, spec.kind,
+                           spec.weight_version, spec.fan_out)
+        self._next_id += 1
+        return Job(self._next_id, spec, choice, view)
+
+    def place(self, job: Job, now: float) -> Decision | None:
+        """Choose a replica for ``job`` and record it; None when no replica is eligible now
+        (all unhealthy, out of rotation, or already tried by this job)."""
+        assert job.decision is None and not job.done, "bug: place() on a placed or finished job"
+        self.registry.advance(now)
+        decision = self.policy.select(job.view, self._candidates(job))
+        if decision is None:
+            return None
+        job.undo_pins = self._pins_before(job)
+        self.policy.on_routed(job.view, decision)
+        rid = decision.replica_id
+        full = max(0, (job.view.num_prompt_tokens - 1) // self.block_size)  # vLLM recomputes the last token
+        job.decision = replace(decision, matched_blocks=min(decision.matched_blocks, full))
+        job.expected_cached_tokens = job.decision.matched_blocks * self.block_size
+        job.weight_version = self.versions.loaded.get(rid)
+        job.version_mark = self.versions.mark(rid)
+        return job.decision
+
+    def admit(self, job: Job, now: float) -> Admission:
+        """Ask for room on the placed replica: admit (``job.ticket``), queue or reject (the job
+        is then finished: un-indexed and unpinned)."""
+        assert job.decision is not None, "bug: admit() before place()"
+        rid = job.decision.replica_id
+        total = blocks_needed(job.view.num_prompt_tokens + job.spec.new_tokens, 0, self.block_size)
+        request = self.admission.request(rid, total, job.decision.matched_blocks, job.spec.session_id,
+                                         job.spec.group_id, job.spec.fan_out, now, str(job.id))
+        self._expire(now)
+        adm, displaced = self.admission.ask(request, self._view(rid), now)
+        for victim in displaced:
+            self._refuse(self._jobs.pop(victim.request_id), "displaced", now)
+        job.admission = adm
+        if adm.verdict == "queue":
+            job.queued = request
+            self._jobs[str(job.id)] = job
+        elif adm.verdict == "reject":
+            self.finish(job, "refused", now)
+        return adm
+
+    def pump(self, now: float) -> list[tuple[Job, Admission]]:
+        """Jobs whose admission was decided since the last call: queued jobs admitted now, and
+        jobs refused (``reject``: timeout / displaced) or sent back (``replica_gone``)."""
+        self.registry.advance(now)
+        self._expire(now)
+        views = [self._view(rid) for rid, rec in self.replicas.items()
+                 if rec.healthy and rid not in self.versions.rotation]
+        for request, adm in self.admission.pump(views, now):
+            job = self._jobs.pop(request.request_id)
+            job.queued, job.admission = None, adm
+            self._outbox.append((job, adm))
+        out, self._outbox = self._outbox, []
+        return out
+
+    def finish(self, job: Job, outcome: Outcome, now: float) -> None:
+        """``job`` ended as ``outcome`` (see :data:`Outcome`). Idempotent for a finished job.
+
+        ``unreachable`` and ``retry`` leave the job open: place it again (its ``tried`` list grows)."""
+        if job.done:
+            return
+        self.registry.advance(now)
+        if job.queued is not None:
+            self.admission.queue.remove(job.queued)
+            self._jobs.pop(str(job.id), None)
+            job.queued = None
+        rid = job.replica_id
+        if rid is not None:
+            self.policy.on_finished(job.view, rid)
+            if job.ticket is not None:
+                self.admission.release(job.ticket, now, park=outcome == "ok")
+            if outcome in ("refused", "unreachable") or (outcome == "cancelled" and job.ticket is None):
+                self._undo(job)
+        if outcome in ("unreachable", "retry") and rid is not None:
+            if outcome == "unreachable":
+                self.set_health(rid, False)
+            job.tried.append(rid)
+            job.decision, job.admission = None, None
+            return
+        job.done = True
+        if outcome == "ok" and job.spec.ends_session and job.spec.session_id is not None:
+            self.end_session(job.spec.session_id)
+
+    # -- reading the state ----------------------------------------------------------------------
+
+    def replica_view(self, rid: ReplicaId) -> ReplicaView:
+        """``rid`` as admission projects it (``kv_cache_usage`` = projected usage)."""
+        return project(self._raw_view(rid), self.admission.ledger, self.registry)
+
+    def in_flight(self, rid: ReplicaId) -> int:
+        """Engine requests admitted to ``rid`` and not finished (a fan-out counts K)."""
+        return self.admission.ledger.count(rid)
+
+    def versions_since(self, job: Job) -> list[int]:
+        """Versions ``job``'s replica served from its dispatch until now."""
+        rid = job.replica_id
+        return self.versions.versions_since(rid, job.version_mark) if rid is not None else []
+
+    def queue_length(self) -> int:
+        return len(self.admission.queue)
+
+    def check_integrity(self) -> None:
+        """Raise ``RuntimeError('bug: ...')`` if any part of the state is corrupt."""
+        self.admission.check_integrity()
+        self.registry.check_integrity()
+        self.policy.check_integrity()
+        queued = {r.request_id for r in self.admission.queue.waiting()}
+        if queued != set(self._jobs):
+            raise RuntimeError(f"bug: queued requests {sorted(queued)} != queued jobs {sorted(self._jobs)}")
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _raw_view(self, rid: ReplicaId) -> ReplicaView:
+        return self.replicas[rid].view(self.versions.loaded.get(rid))
+
+    def _view(self, rid: ReplicaId) -> ReplicaView:
+        return replace(self._raw_view(rid), in_flight=self.admission.ledger.count(rid))
+
+    def _candidates(self, job: Job) -> list[ReplicaView]:
+        healthy = [rid for rid, rec in self.replicas.items() if rec.healthy]
+        skip = self.versions.excluded(job.choice, healthy) | set(job.tried)
+        return [self._view(rid) for rid in self.replicas if rid not in skip]
+
+    def _pins_before(self, job: Job) -> dict[str, ReplicaId | None]:
+        out = {}
+        for kind, key in (("session", job.spec.session_id), ("group", job.spec.group_id)):
+            if key is not None:
+                rec = self.registry.get(kind, key)
+                out[kind] = rec.replica if rec is not None else None
+        return out
+
+    def _undo(self, job: Job) -> None:
+        """``job`` prefilled nothing: un-index the blocks it added and restore the pins it moved."""
+        if job.decision is None:
+            return
+        rid = job.decision.replica_id
+        self.policy.on_rejected(job.view, job.decision)
+        keys = {"session": job.spec.session_id, "group": job.spec.group_id}
+        for kind, before in job.undo_pins.items():
+            rec = self.registry.get(kind, keys[kind])
+            if rec is not None and rec.replica == rid and before != rid:
+                if before is None or before not in self.replicas:
+                    self.registry.unpin(kind, keys[kind], rid)
+                else:
+                    self.registry.record(kind, keys[kind], before)
+
+    def _refuse(self, job: Job, reason: str, now: float) -> None:
+        job.queued = None
+        self.finish(job, "refused", now)
+        job.admission = Admission("reject", reason, self.admission.retry_after_s(now))
+        self._outbox.append((job, job.admission))
+
+    def _expire(self, now: float) -> None:
+        for request in self.admission.expire(now):
+            self._refuse(self._jobs.pop(request.request_id), "timeout", now)
+
+    def _drop_queue(self, rid: ReplicaId) -> None:
+        for request in self.admission.queue.drop_replica(rid):
+            job = self._jobs.pop(request.request_id)
+            job.queued = None
+            self.policy.on_finished(job.view, rid)
+            self._undo(job)
+            job.tried.append(rid)
+            job.decision = None
+            job.admission = Admission("replica_gone", f"replica {rid} left rotation")
+            self._outbox.append((job, job.admission))
+
+    def _sweep(self, now: float) -> None:
+        """Expire idle key records, at most once per second of ``now``."""
+        if now - self._swept_at >= 1.0:
+            self._swept_at = now
+            self.registry.expire(now)

@@ -1,0 +1,92 @@
+"""KvLedger: per replica, the KV blocks admitted requests hold (DESIGN rule 3).
+
+What a replica holds, as the core projects it (blocks)::
+
+    |<- max(scraped usage + unseen, committed) ->|<- parked ->|<- new ->|   <= watermark * blocks
+     running requests: the replica's own metric,   live sessions   what this request adds
+     or the router's in-flight peak, if larger     between turns
+
+* committed: per in-flight request, the blocks it holds at its peak (prompt + max tokens;
+  a started group's later members count only what they add beyond the shared prompt), so
+  decode growth is reserved before it happens;
+* unseen: of those, the requests admitted after the last scrape began (not in its usage);
+* parked: the cached prefix of each live session between turns (``KeyRegistry.park``). vLLM
+  counts those blocks as free (evictable), so its usage metric does not show them, but
+  evicting them means prefilling the next turn again.
+
+Pure bookkeeping: no I/O, times come from the caller's clock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cache_policy.admission_queue import Priority
+from cache_policy.types import ReplicaId
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """An admitted request's claim on its replica, given back when it finishes.
+
+    ``blocks``: what it holds at its peak (prompt + max tokens; for a started group's member,
+    beyond the shared prompt); ``new_blocks``: what admitting it added to the projection;
+    ``requests``: how many engine requests it stands for (a scoring fan-out's K).
+    """
+
+    replica_id: ReplicaId
+    blocks: int
+    new_blocks: int
+    session_id: str | None
+    admitted_at: float
+    priority: Priority
+    number: int
+    requests: int = 1
+
+
+class KvLedger:
+    """Per replica: tickets in flight (committed blocks).
+
+    Invariant: ``_in_flight[r]`` holds exactly the tickets admitted to ``r`` and not yet
+    released; ``_requests[r]`` is the sum of their ``requests``.
+    """
+
+    def __init__(self) -> None:
+        self._in_flight: dict[ReplicaId, dict[int, Ticket]] = {}
+        self._requests: dict[ReplicaId, int] = {}
+        self.scraped_at: dict[ReplicaId, float] = {}
+
+    def admit(self, ticket: Ticket) -> None:
+        """Count ``ticket`` against its replica."""
+        self._in_flight.setdefault(ticket.replica_id, {})[ticket.number] = ticket
+        self._requests[ticket.replica_id] = self._requests.get(ticket.replica_id, 0) + ticket.requests
+
+    def release(self, ticket: Ticket) -> None:
+        """Stop counting ``ticket``; RuntimeError (bug) if it was not admitted or is released twice."""
+        held = self._in_flight.get(ticket.replica_id, {})
+        if held.pop(ticket.number, None) is None:
+            raise RuntimeError(f"bug: ticket {ticket.number} released twice or never admitted")
+        self._requests[ticket.replica_id] -= ticket.requests
+
+    def count(self, rid: ReplicaId) -> int:
+        """Engine requests in flight on ``rid`` (a fan-out counts each of its requests)."""
+        return self._requests.get(rid, 0)
+
+    def committed(self, rid: ReplicaId) -> int:
+        """Blocks the tickets on ``rid`` hold at their peak."""
+        return sum(t.blocks for t in self._in_flight.get(rid, {}).values())
+
+    def unseen(self, rid: ReplicaId) -> int:
+        """Blocks of tickets admitted to ``rid`` after its last scrape began."""
+        since = self.scraped_at.get(rid, float("-inf"))
+        return sum(t.blocks for t in self._in_flight.get(rid, {}).values() if t.admitted_at > since)
+
+    def forget_replica(self, rid: ReplicaId) -> None:
+        """``rid`` left: its tickets are released by their requests, its scrape time goes."""
+        self.scraped_at.pop(rid, None)
+
+    def check_integrity(self) -> None:
+        """Raise ``RuntimeError('bug: ...')`` if the request counts disagree with the tickets."""
+        for rid, held in self._in_flight.items():
+            if sum(t.requests for t in held.values()) != self._requests.get(rid, 0):
+                raise RuntimeError(f"bug: request count of {rid} disagrees with its tickets")

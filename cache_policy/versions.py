@@ -1,0 +1,167 @@
+"""VersionBook: weight versions the replicas serve and the cache salt each request runs under.
+
+DESIGN rules 4 and 6, seed 003 ("The cache after a weight update"). The book holds::
+
+    current    policy version of the last update (the initial version at start)
+    policy     weight-update policy in force (flush | keep | salt | keep+salt)
+    history    every version loaded so far; a request's ``weight_version`` resolves to the
+               newest one <= it, so training steps without a weight change keep one salt
+    loaded     per replica, the version it serves
+    log        per replica, the versions loaded over time: what a request saw while it ran
+    rotation   replicas kept out of routing, with the reason ("updating", "failed: <why>")
+
+A session's or group's start version lives in its ``KeyRegistry`` record, kept while the key is
+alive (in flight, or touched within ``PolicyConfig.key_ttl_s``), so a tool call longer than
+``session_idle_s`` does not restart a keep+salt session on the new salt.
+
+The salt comes from a loaded version, never from a step counter; a salted request is routed
+only to replicas that serve the version its salt names (when one does), so blocks of one
+version are never predicted, or computed, under another version's salt. A tenant, when given,
+is folded into every salt (also under flush and keep), so tenants never share cache blocks.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+from cache_policy.registry import KeyRegistry
+from cache_policy.salts import WEIGHT_UPDATE_POLICIES, WeightUpdatePolicy, cache_salt_for_version, choose_salt
+from cache_policy.types import ReplicaId
+
+
+@dataclass(frozen=True)
+class SaltChoice:
+    """The salt of one request and the version its cache blocks belong to.
+
+    ``version``: the loaded version the request resolves to (it is routed to replicas serving
+    it when one does); ``salt_version``: the version named by ``salt`` (older than ``version``
+    for a keep+salt session that started before an update); both None without versions.
+    """
+
+    salt: str | None
+    version: int | None
+    salt_version: int | None
+
+    @property
+    def pins_version(self) -> bool:
+        """Whether routing must prefer replicas that serve ``version`` (salted, own version)."""
+        return self.salt_version is not None and self.salt_version == self.version
+
+
+NO_SALT = SaltChoice(None, None, None)
+
+
+def tenant_salt(salt: str | None, tenant: str | None) -> str | None:
+    """``salt`` with ``tenant`` folded in (``"<salt>|t=<tenant>"``); unchanged without a tenant."""
+    if tenant is None:
+        return salt
+    return f"{salt or 'rr'}|t={tenant}"
+
+
+class VersionBook:
+    """Versions, salts and rotation of one router; pure, no clock of its own."""
+
+    def __init__(self, policy: WeightUpdatePolicy, initial_version: int | None) -> None:
+        check_policy(policy)
+        self.policy: WeightUpdatePolicy = policy
+        self.current = initial_version
+        self.initial = initial_version
+        self.history: list[int] = [] if initial_version is None else [initial_version]
+        self.loaded: dict[ReplicaId, int | None] = {}
+        self._log: dict[ReplicaId, list[int]] = {}
+        self.rotation: dict[ReplicaId, str] = {}
+
+    # -- salts --------------------------------------------------------------------------------
+
+    def resolve(self, requested: int | None) -> int | None:
+        """The loaded version a request tagged ``requested`` runs under: the newest version
+        loaded so far that is <= ``requested`` (untagged: ``current``)."""
+        if requested is None or not self.history:
+            return self.current if requested is None else requested
+        i = bisect.bisect_right(self.history, requested)
+        return self.history[i - 1] if i else requested
+
+    def assign(self, registry: KeyRegistry, session_id: str | None, group_id: str | None,
+               requested: int | None, tenant: str | None = None) -> SaltChoice:
+        """Salt for one request; records the version a new session or group starts under."""
+        version = self.resolve(requested)
+        started = None
+        for kind, key in (("session", session_id), ("group", group_id)):
+            if key is not None:
+                rec = registry.touch(kind, key)
+                if rec.start_version is None:
+                    rec.start_version = version
+                started = rec.start_version if started is None else started
+        salt = choose_salt(self.policy, version, started, version)
+        salt_version = None
+        if salt is not None:
+            salt_version = started if salt == cache_salt_for_version(started) else version
+        return SaltChoice(tenant_salt(salt, tenant), version, salt_version)
+
+    # -- loaded versions and the per-replica log ------------------------------------------------
+
+    def set_loaded(self, rid: ReplicaId, version: int | None) -> None:
+        """Record that ``rid`` now serves ``version`` (None: unknown)."""
+        self.loaded[rid] = version
+        log = self._log.setdefault(rid, [])
+        if version is not None and (not log or log[-1] != version):
+            log.append(version)
+            if version not in self.history:
+                bisect.insort(self.history, version)
+
+    def mark(self, rid: ReplicaId) -> int:
+        """A position in ``rid``'s version log; pass it to :meth:`versions_since`."""
+        return max(0, len(self._log.get(rid, [])) - 1)
+
+    def versions_since(self, rid: ReplicaId, mark: int) -> list[int]:
+        """Versions ``rid`` served from ``mark`` until now (more than one: mixed tokens)."""
+        return list(self._log.get(rid, [])[mark:])
+
+    def finish_update(self, version: int, policy: WeightUpdatePolicy) -> None:
+        """An update to ``version`` under ``policy`` reached at least one replica."""
+        check_policy(policy)
+        self.current = version if self.current is None else max(self.current, version)
+        self.policy = policy
+        if version not in self.history:
+            bisect.insort(self.history, version)
+
+    def forget_replica(self, rid: ReplicaId) -> None:
+        """``rid`` left the fleet."""
+        self.loaded.pop(rid, None)
+        self._log.pop(rid, None)
+        self.rotation.pop(rid, None)
+
+    # -- rotation -----------------------------------------------------------------------------
+
+    def excluded(self, choice: SaltChoice, healthy: list[ReplicaId]) -> set[ReplicaId]:
+        """Replicas a request with ``choice`` must not be routed to.
+
+        Out of rotation always; and, for a salted request, replicas not serving its version
+        while some healthy replica in rotation does (``healthy``: the healthy replica ids).
+        """
+        out = set(self.rotation)
+        if choice.pins_version:
+            serving = {r for r in healthy if r not in out and self.loaded.get(r) == choice.version}
+            if serving:
+                out |= {r for r in self.loaded if r not in serving}
+        return out
+
+    def updating(self) -> bool:
+        """Whether some replica is out of rotation for an update in progress."""
+        return any(reason == "updating" for reason in self.rotation.values())
+
+    def describe(self) -> dict:
+        """The state as JSON for ``GET /admin/weights`` and ``/health``."""
+        return {
+            "current_version": self.current, "policy": self.policy, "history": list(self.history),
+            "replicas": {rid: {"weight_version": v, "in_rotation": rid not in self.rotation,
+                               "out_of_rotation_reason": self.rotation.get(rid)}
+                         for rid, v in self.loaded.items()},
+        }
+
+
+def check_policy(policy: str) -> None:
+    """ValueError naming ``weight_update_policy`` unless ``policy`` is one of the four."""
+    if policy not in WEIGHT_UPDATE_POLICIES:
+        raise ValueError(f"weight_update_policy must be one of {WEIGHT_UPDATE_POLICIES}, got {policy!r}")

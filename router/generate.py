@@ -1,0 +1,77 @@
+"""Completions and chat: the attempt that sends one prompt to the placed replica.
+
+The lifecycle (``router.lifecycle``) decides and retries; this module builds the upstream body
+(the engine sees exactly the token IDs the router hashed, with the core's cache salt), relays
+the answer (JSON or an event stream) and counts what the replica prefilled.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+
+from cache_policy.core import Job, RequestSpec
+from replicas.replica_set import ReplicaEndpoint
+from router import keys
+from router.parse import ParsedRequest
+from router.proxy import UpstreamResult, post_json, relay_stream
+from router.responses import json_answer, route_headers
+
+UPSTREAM_PATH = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+
+
+def new_tokens(body: dict[str, Any], default_max_tokens: int) -> int:
+    """Tokens the request may generate over all its samples (``max_tokens * n``), for admission."""
+    limit = body.get("max_tokens") or body.get("max_completion_tokens") or default_max_tokens
+    n = body.get("n") or 1
+    return int(limit) * int(n) if isinstance(limit, int) and isinstance(n, int) else 0
+
+
+def upstream_body(parsed: ParsedRequest, token_ids: list[int], job: Job, model: str) -> dict[str, Any]:
+    """The body sent to the replica: routing fields removed, token IDs and the cache salt set."""
+    body = dict(parsed.body)
+    if parsed.endpoint == "completions":
+        body["prompt"] = token_ids  # the engine sees exactly the tokens the router hashed
+    body.setdefault("model", model)
+    if job.salt is not None:
+        body["cache_salt"] = job.salt
+    return body
+
+
+async def forward(client: web.Request, parsed: ParsedRequest, token_ids: list[int]) -> web.StreamResponse:
+    """Route and proxy a completion or chat request; the response names the replica."""
+    app = client.app
+    life, core, metrics = app[keys.LIFECYCLE], app[keys.CORE], app[keys.METRICS]
+    cfg = app[keys.CONFIG].router
+    expose = getattr(cfg, "expose_expected_cached_tokens", True)
+    samples = parsed.body.get("n") if isinstance(parsed.body.get("n"), int) else 1
+    spec = RequestSpec(token_ids, parsed.keys.session_id, parsed.keys.group_id, parsed.keys.weight_version,
+                       parsed.keys.tenant, "generate", new_tokens(parsed.body, cfg.admission_default_max_tokens),
+                       ends_session=parsed.keys.end_session)
+
+    async def attempt(job: Job, endpoint: ReplicaEndpoint) -> web.StreamResponse:
+        body = upstream_body(parsed, token_ids, job, endpoint.model)
+        url = endpoint.base_url + UPSTREAM_PATH[parsed.endpoint]
+        if parsed.stream:
+            resp = await relay_stream(client, life.http, url, body, route_headers(job, expose_cached=expose))
+        else:
+            resp = await post_json(life.http, url, body)
+        cached = None
+        if isinstance(resp, UpstreamResult):
+            cached = _cached_tokens(resp.payload)
+            resp = json_answer(resp, job, core, parsed.endpoint, expose_cached=expose)
+        else:
+            cached = resp.get("rollout_cached_tokens")
+        if resp.status == 200:  # prompts a replica refused were never prefilled
+            metrics.count_prompt(job, len(token_ids) * samples, cached)
+        return resp
+
+    return await life.run(spec, attempt, status=lambda r: r.status)
+
+
+def _cached_tokens(payload: Any) -> int | None:
+    if not isinstance(payload, dict):
+        return None
+    cached = ((payload.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
+    return cached if isinstance(cached, int) else None

@@ -1,0 +1,213 @@
+"""One request's life in the router, for completions, chat and scoring alike.
+
+    parse (handlers / score) -> RequestSpec
+      -> core.open -> core.place -> core.admit (wait on a future while queued)   [decide]
+      -> attempt(job, endpoint)                                                   [carry out]
+           ReplicaUnreachable: core.finish(unreachable) marks it unhealthy; place again
+           RetryElsewhere:     core.finish(failed) on that replica; place again
+      -> core.finish(job, outcome)                                                [release]
+
+The decision core (``cache_policy.core``) decides everything; this module only waits, sends
+and counts. A retry happens only while nothing reached the client, within
+``router.connect_retries`` extra attempts. A client that goes away while its request waits in
+admission leaves the queue at once (``finish(cancelled)``), and nothing it never prefilled
+stays in the prefix index or the pin table.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import aiohttp
+
+from cache_policy.admission_state import Admission
+from cache_policy.core import DecisionCore, Job, Outcome, RequestSpec
+from replicas.replica_set import ReplicaEndpoint
+from router.config import RouterConfig
+from router.errors import NoReplica, Overloaded, RouterError, UpstreamError
+from router.metrics import RouterMetrics
+from router.pool import ReplicaPool
+from router.proxy import ReplicaUnreachable
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+Attempt = Callable[[Job, ReplicaEndpoint], Awaitable[T]]
+
+
+class RetryElsewhere(Exception):
+    """The replica failed the request before anything reached the client; it stays in rotation
+    (a scoring batch with an incomplete row, a 5xx): run the whole request on another replica."""
+
+
+class Lifecycle:
+    """Carries out the core's decisions for one router app. Event-loop only.
+
+    ``status(result)`` tells how an attempt's result ended: an HTTP status (4xx: the replica
+    refused it and prefilled nothing).
+    """
+
+    def __init__(self, cfg: RouterConfig, core: DecisionCore, pool: ReplicaPool, metrics: RouterMetrics,
+                 http: aiohttp.ClientSession, *, clock: Callable[[], float] = time.monotonic,
+                 shared: Any = None) -> None:
+        self.cfg = cfg
+        self.core = core
+        self.pool = pool
+        self.metrics = metrics
+        self.http = http
+        self.clock = clock
+        self.shared = shared
+        self.queue_timeout_s = core.cfg.queue_timeout_s
+        self._waiters: dict[int, asyncio.Future[Admission]] = {}
+        self._rotation_changed = asyncio.Event()
+
+    async def run(self, spec: RequestSpec, attempt: Attempt[T], status: Callable[[T], int]) -> T:
+        """Open, place, admit and run ``attempt`` until it succeeds, is refused, or retries run out.
+
+        Raises NoReplica (503), Overloaded (429), UpstreamError (502) or the attempt's own errors.
+        """
+        job = self.core.open(spec, self.clock())
+        outcome: Outcome = "failed"
+        try:
+            while True:
+                await self._place(job)
+                if not await self._admit(job):
+                    continue  # its replica left while it waited: place it again
+                self._dispatched(job)
+                try:
+                    result = await attempt(job, self.pool.get(job.decision.replica_id).endpoint)
+                except (ReplicaUnreachable, RetryElsewhere) as exc:
+                    self._retry(job, exc)
+                    continue
+                code = status(result)
+                outcome = "refused" if 400 <= code < 500 else "ok" if code < 400 else "failed"
+                return result
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            raise
+        except RouterError as exc:  # a replica's 4xx raised by the attempt: it prefilled nothing
+            outcome = "refused" if 400 <= exc.status < 500 else "failed"
+            raise
+        finally:
+            self._finish(job, outcome)
+
+    # -- decide --------------------------------------------------------------------------------
+
+    async def _place(self, job: Job) -> None:
+        """Place ``job``, waiting (up to ``queue_timeout_s``) while a weight update holds replicas."""
+        deadline = self.clock() + self.queue_timeout_s
+        if self.shared is not None:
+            await self.shared.adopt_pins(self.core, job)
+        while True:
+            decision = self.core.place(job, self.clock())
+            if decision is not None:
+                self.metrics.decisions.labels(self.core.policy.name, decision.reason.value).inc()
+                if self.shared is not None:
+                    await self.shared.publish_pins(job)
+                return
+            left = deadline - self.clock()
+            if not self.core.versions.updating() or left <= 0:
+                raise NoReplica("no healthy replica can take the request; retry later", headers={"Retry-After": "1"})
+            await self.wait_rotation(left)
+
+    async def _admit(self, job: Job) -> bool:
+        """Admit ``job`` or wait in the queue; False when its replica left (place it again)."""
+        adm = self.core.admit(job, self.clock())
+        self._deliver(self.core.pump(self.clock()))
+        if adm.verdict == "queue":
+            self.metrics.admission_queued.labels(job.queued.priority).inc()
+            adm = await self._wait(job)
+        if adm.verdict == "reject":
+            self.metrics.admission_rejected.labels(adm.reason).inc()
+            raise _overloaded(adm)
+        if adm.verdict == "replica_gone":
+            return False
+        self.metrics.admission_admitted.labels(job.decision.replica_id, "yes" if adm.waited else "no").inc()
+        return True
+
+    async def _wait(self, job: Job) -> Admission:
+        future: asyncio.Future[Admission] = asyncio.get_running_loop().create_future()
+        self._waiters[job.id] = future
+        self.metrics.admission_queue_length.set(self.core.queue_length())
+        started = self.clock()
+        try:
+            while not future.done():
+                left = started + self.queue_timeout_s - self.clock()
+                try:
+                    await asyncio.wait_for(asyncio.shield(future), max(left, 0.0) + 0.01)
+                except asyncio.TimeoutError:
+                    self._deliver(self.core.pump(self.clock()))  # expires it when its time is up
+            adm = future.result()
+            self.metrics.admission_wait.observe(self.clock() - started)
+            return adm
+        finally:
+            self._waiters.pop(job.id, None)
+
+    def pump(self) -> None:
+        """Admit what fits now (after a scrape, a finish or a replica event)."""
+        self._deliver(self.core.pump(self.clock()))
+
+    def _deliver(self, decided: list[tuple[Job, Admission]]) -> None:
+        for job, adm in decided:
+            future = self._waiters.get(job.id)
+            if future is not None and not future.done():
+                future.set_result(adm)
+            elif adm.verdict == "admit":  # its client is gone: give the room back
+                self.core.finish(job, "cancelled", self.clock())
+        self.metrics.admission_queue_length.set(self.core.queue_length())
+
+    # -- carry out and release -----------------------------------------------------------------
+
+    def _dispatched(self, job: Job) -> None:
+        rid = job.decision.replica_id
+        self.metrics.in_flight.labels(rid).set(self.core.in_flight(rid))
+
+    def _retry(self, job: Job, exc: Exception) -> None:
+        """Release ``job`` from the replica that failed it; raise UpstreamError when retries ran out."""
+        rid = job.decision.replica_id
+        unreachable = isinstance(exc, ReplicaUnreachable)
+        log.warning("replica %s %s: %s", rid, "unreachable" if unreachable else "failed the request", exc)
+        self.core.finish(job, "unreachable" if unreachable else "retry", self.clock())
+        self._after_finish(rid)
+        if len(job.tried) > self.cfg.connect_retries:
+            raise UpstreamError(f"replica {rid} {'unreachable' if unreachable else 'failed'} and retries "
+                                f"exhausted: {exc}") from exc
+        self.metrics.retries.labels("unreachable" if unreachable else "failed").inc()
+
+    def _finish(self, job: Job, outcome: Outcome) -> None:
+        rid = job.replica_id
+        self.core.finish(job, outcome, self.clock())
+        self._after_finish(rid)
+
+    def _after_finish(self, rid) -> None:
+        if rid is not None:
+            self.metrics.in_flight.labels(rid).set(self.core.in_flight(rid))
+        self.pump()
+
+    # -- rotation --------------------------------------------------------------------------------
+
+    def rotation_changed(self) -> None:
+        """An update step ended or a replica came back: wake placements waiting for one."""
+        self._rotation_changed.set()
+        self.pump()
+
+    async def wait_rotation(self, timeout_s: float) -> bool:
+        """Wait until the rotation changes; False on timeout."""
+        self._rotation_changed.clear()
+        try:
+            await asyncio.wait_for(self._rotation_changed.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            return False
+        return True
+
+
+def _overloaded(adm: Admission) -> Overloaded:
+    seconds = max(1, math.ceil(adm.retry_after_s or 1))
+    what = {"queue_full": "admission queue full", "timeout": "waited too long for KV cache room",
+            "displaced": "pushed out of the admission queue by higher-priority work"}.get(adm.reason, adm.reason)
+    return Overloaded(f"router overloaded: {what}; retry after {seconds} s", headers={"Retry-After": str(seconds)})

@@ -1,0 +1,169 @@
+"""DecisionCore: the whole lifecycle on a fake clock, its invariants, and the issue-9 defects.
+
+No router import, no event loop: the core is driven the way ``router.lifecycle`` drives it.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from cache_policy.config import PolicyConfig
+from cache_policy.core import DecisionCore, ReplicaLoad, RequestSpec
+from cache_policy.types import ReplicaId
+
+R = [ReplicaId(f"r{i}") for i in range(3)]
+
+
+def fleet(**policy) -> DecisionCore:
+    core = DecisionCore(PolicyConfig(**{"queue_timeout_s": 5.0, "session_idle_s": 10.0, "max_pins": 200,
+                                        "key_ttl_s": 60.0, **policy}))
+    for rid in R:
+        core.add_replica(rid, block_size=32, num_gpu_blocks=400)
+    return core
+
+
+def run(core, spec, now):
+    job = core.open(spec, now)
+    assert core.place(job, now) is not None
+    return job, core.admit(job, now)
+
+
+def test_expected_cached_tokens_never_include_the_last_prompt_token():
+    """vLLM recomputes the last token: a 256-token prompt seen before hits 224, not 256."""
+    core = fleet()
+    prompt = list(range(1000, 1256))
+    first, _ = run(core, RequestSpec(prompt), 0.0)
+    core.finish(first, "ok", 0.0)
+    again, adm = run(core, RequestSpec(prompt), 1.0)
+    assert again.expected_cached_tokens == 224 and again.replica_id == first.replica_id
+    # admission reserves by the same number: 8 blocks, of which 7 expected cached (not a group: all 8 held)
+    assert adm.ticket.blocks == 8
+
+
+def test_a_refused_request_is_unindexed_and_its_new_pin_undone():
+    core = fleet()
+    prompt = list(range(5000, 5320))
+    job, _ = run(core, RequestSpec(prompt, session_id="s", group_id="g"), 0.0)
+    rid = job.replica_id
+    core.finish(job, "refused", 0.0)  # the replica answered 400: it prefilled nothing
+    assert core.registry.get("session", "s") is None and core.registry.get("group", "g") is None
+    probe = core.open(RequestSpec(prompt), 1.0)
+    assert core.policy.index.match(probe.view.block_hashes).get(rid, 0) == 0
+
+
+def test_a_429_from_admission_is_unindexed_and_a_kept_pin_stays():
+    core = DecisionCore(PolicyConfig(max_queue=0, session_idle_s=10.0))
+    core.add_replica(R[0], block_size=32, num_gpu_blocks=400)
+    turn1, _ = run(core, RequestSpec(list(range(9000, 9064)), session_id="s"), 0.0)
+    core.finish(turn1, "ok", 0.0)
+    hog, _ = run(core, RequestSpec(list(range(20000, 20000 + 32 * 300))), 0.5)
+    turn2, adm = run(core, RequestSpec(list(range(9000, 9064)) + list(range(7000, 7000 + 32 * 100)),
+                                       session_id="s"), 1.0)
+    assert (adm.verdict, adm.reason) == ("reject", "queue_full") and turn2.done
+    assert core.registry.get("session", "s").replica == R[0]  # the pin it found is kept
+    probe = core.open(RequestSpec(turn2.spec.token_ids), 2.0)
+    assert core.policy.index.match(probe.view.block_hashes)[R[0]] == 2  # turn 1's blocks, none of turn 2's
+    core.finish(hog, "ok", 2.0)
+    core.check_integrity()
+
+
+def test_a_scoring_fan_out_counts_k_against_its_pin_and_the_replica():
+    """Two K=4 scoring jobs of a group in flight: the third stays with the group, not moved off."""
+    core = fleet()
+    context = list(range(3000, 3000 + 32 * 20))
+    jobs = [run(core, RequestSpec(context, group_id="g", kind="score", new_tokens=40, fan_out=4), 0.0)[0]
+            for _ in range(3)]
+    assert len({j.replica_id for j in jobs}) == 1
+    rid = jobs[0].replica_id
+    assert core.in_flight(rid) == 12 and core.registry.get("group", "g").own_in_flight == 12
+    for j in jobs:
+        core.finish(j, "ok", 1.0)
+    assert core.in_flight(rid) == 0 and core.registry.get("group", "g").own_in_flight == 0
+
+
+def test_group_records_are_bounded():
+    core = fleet(max_pins=50)
+    for i in range(500):
+        job, _ = run(core, RequestSpec(list(range(i * 64, i * 64 + 40)), group_id=f"g{i}"), float(i))
+        core.finish(job, "ok", float(i))
+    assert len(core.registry._records) <= 50
+    core.check_integrity()
+
+
+def test_an_ended_session_releases_its_pin_and_parked_prefix():
+    core = fleet()
+    job, _ = run(core, RequestSpec(list(range(64)), session_id="s", ends_session=True), 0.0)
+    rid = job.replica_id
+    core.finish(job, "ok", 0.0)
+    assert core.registry.get("session", "s") is None and core.registry.parked_blocks(rid) == 0
+
+
+def test_an_unreachable_replica_is_marked_and_the_job_placed_elsewhere():
+    core = fleet()
+    job, _ = run(core, RequestSpec(list(range(100)), session_id="s"), 0.0)
+    dead = job.replica_id
+    core.finish(job, "unreachable", 0.0)
+    assert not core.replicas[dead].healthy and not job.done and job.tried == [dead]
+    assert core.place(job, 0.0).replica_id != dead
+    assert core.admit(job, 0.0).verdict == "admit"
+    core.finish(job, "ok", 0.0)
+    assert core.registry.get("session", "s").replica != dead and core.in_flight(dead) == 0
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_thousand_mixed_requests_keep_every_invariant(seed):
+    """Sessions, groups, scoring fan-outs, a weight update and a replica leaving, on a fake clock;
+    ``check_integrity`` after every step, and the books balance at the end."""
+    rng = random.Random(seed)
+    core = fleet(max_queue=16)
+    now, running = 0.0, []
+    sessions = {f"s{i}": list(range(i * 10_000, i * 10_000 + rng.randrange(40, 300))) for i in range(30)}
+    groups = {f"g{i}": list(range(500_000 + i * 10_000, 500_000 + i * 10_000 + 200)) for i in range(20)}
+    decided = []
+    for step in range(1000):
+        now += rng.uniform(0.0, 0.2)
+        kind = rng.random()
+        if kind < 0.4:
+            sid = rng.choice(list(sessions))
+            sessions[sid] = sessions[sid] + [rng.randrange(50_000) for _ in range(rng.randrange(5, 60))]
+            spec = RequestSpec(sessions[sid], session_id=sid, new_tokens=rng.randrange(1, 64))
+        elif kind < 0.75:
+            gid = rng.choice(list(groups))
+            spec = RequestSpec(groups[gid], group_id=gid, new_tokens=32)
+        else:
+            gid = rng.choice(list(groups))
+            spec = RequestSpec(groups[gid], group_id=gid, kind="score", new_tokens=30, fan_out=rng.randrange(1, 5))
+        job = core.open(spec, now)
+        if core.place(job, now) is not None:
+            adm = core.admit(job, now)
+            if adm.verdict in ("admit", "queue"):
+                running.append(job)
+        if step == 400:  # a weight update under keep+salt
+            for rid in R:
+                core.version_loaded(rid, 1)
+            core.finish_update(1, "keep+salt")
+        if step == 600:  # a replica leaves
+            core.remove_replica(R[2], now)
+        if step % 50 == 0:
+            for rid in core.replicas:
+                core.observe_load(rid, ReplicaLoad(rng.uniform(0, 0.9)), now)
+        for job in [j for j in running if j.ticket is not None and rng.random() < 0.3]:
+            core.finish(job, rng.choice(["ok", "ok", "ok", "refused", "cancelled", "failed"]), now)
+            running.remove(job)
+        for job, adm in core.pump(now):
+            decided.append(adm.verdict)
+            if adm.verdict != "admit":
+                if adm.verdict == "replica_gone":
+                    core.finish(job, "cancelled", now)
+                running.remove(job)
+        core.check_integrity()
+        assert core.queue_length() <= 16
+        assert all(r in core.replicas for r in core.registry.replicas())
+    for job in running:
+        core.finish(job, "cancelled", now)
+    core.check_integrity()
+    assert core.queue_length() == 0 and all(core.in_flight(r) == 0 for r in core.replicas)
+    assert all(rec.in_flight == 0 for rec in core.registry._records.values())
+    assert "admit" in decided  # the queue really was exercised

@@ -1,0 +1,170 @@
+"""DecisionCore admission: admit, queue, pump, 429s, parked sessions (pure, fake clock).
+
+Ported from the router's former AdmissionController tests: same scenarios, same numbers. One
+replica of 100 blocks of 32 tokens; a request of ``n`` blocks has ``32 n`` prompt tokens and
+asks for no new tokens, so it holds exactly ``n`` blocks at its peak.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from cache_policy.config import PolicyConfig
+from cache_policy.core import DecisionCore, ReplicaLoad, RequestSpec
+from cache_policy.types import ReplicaId
+
+A = ReplicaId("replica-0")
+_fresh = itertools.count(1)
+
+
+def make(blocks: int = 100, enabled: bool = True, **policy) -> DecisionCore:
+    cfg = PolicyConfig(**{"queue_timeout_s": 5.0, "session_idle_s": 10.0, **policy})
+    core = DecisionCore(cfg, admission=enabled, initial_version=None)
+    core.add_replica(A, block_size=32, num_gpu_blocks=blocks)
+    return core
+
+
+def tokens(blocks: int, prefix: list[int] | None = None) -> list[int]:
+    """``prefix`` then fresh tokens up to ``32 * blocks`` (fresh: shares nothing with other calls)."""
+    base = next(_fresh) * 100_000
+    prefix = prefix or []
+    return prefix + [base + i for i in range(32 * blocks - len(prefix))]
+
+
+def ask(core, clock, blocks, session=None, group=None, prompt=None):
+    job = core.open(RequestSpec(prompt or tokens(blocks), session, group), clock.now())
+    assert core.place(job, clock.now()) is not None
+    return job, core.admit(job, clock.now())
+
+
+def test_admits_under_the_watermark_and_queues_above(fake_clock):
+    core = make()
+    first, a1 = ask(core, fake_clock, 50)
+    second, a2 = ask(core, fake_clock, 30)  # 0.8 <= 0.85
+    third, a3 = ask(core, fake_clock, 10)  # 0.9 > 0.85
+    assert (a1.verdict, a2.verdict, a3.verdict) == ("admit", "admit", "queue")
+    assert core.pump(fake_clock.now()) == [] and core.queue_length() == 1
+    core.finish(first, "ok", fake_clock.now())
+    [(job, adm)] = core.pump(fake_clock.now())
+    assert job is third and adm.verdict == "admit" and adm.ticket.blocks == 10 and core.queue_length() == 0
+    for j in (second, third):
+        core.finish(j, "ok", fake_clock.now())
+    assert core.in_flight(A) == 0
+    core.check_integrity()
+
+
+def test_scrape_usage_counts_and_unseen_blocks_are_added(fake_clock):
+    core = make()
+    held, _ = ask(core, fake_clock, 10)
+    core.observe_load(A, ReplicaLoad(kv_cache_usage=0.70), fake_clock.now())  # 60 blocks of other traffic
+    fake_clock.advance(0.1)
+    late, adm = ask(core, fake_clock, 10)  # 0.70 + 0.10 = 0.80: admitted, not yet seen
+    waiting, queued = ask(core, fake_clock, 10)  # 0.80 + 0.10 > 0.85
+    assert adm.verdict == "admit" and queued.verdict == "queue"
+    assert core.replica_view(A).kv_cache_usage == pytest.approx(0.80)
+    core.observe_load(A, ReplicaLoad(kv_cache_usage=0.30), fake_clock.now())  # the replica freed room
+    [(job, adm)] = core.pump(fake_clock.now())
+    assert job is waiting and adm.ticket.new_blocks == 10
+
+
+def test_idle_replica_admits_a_request_larger_than_the_watermark(fake_clock):
+    core = make()
+    _, adm = ask(core, fake_clock, 95)
+    assert adm.verdict == "admit" and adm.ticket.blocks == 95
+
+
+def test_wait_past_the_deadline_is_429_with_retry_after(fake_clock):
+    core = make(queue_timeout_s=0.05)
+    held, _ = ask(core, fake_clock, 80)
+    waiting, adm = ask(core, fake_clock, 10)
+    assert adm.verdict == "queue"
+    fake_clock.advance(0.1)
+    [(job, adm)] = core.pump(fake_clock.now())
+    assert job is waiting and adm.verdict == "reject" and adm.reason == "timeout" and adm.retry_after_s >= 1
+    assert core.queue_length() == 0 and waiting.done
+
+
+def test_full_queue_rejects_at_once(fake_clock):
+    core = make(max_queue=1)
+    ask(core, fake_clock, 80)
+    _, queued = ask(core, fake_clock, 10)
+    _, refused = ask(core, fake_clock, 10)
+    assert queued.verdict == "queue" and (refused.verdict, refused.reason) == ("reject", "queue_full")
+
+
+def test_continuing_session_goes_first_and_displaces_new_work(fake_clock):
+    core = make(max_queue=1)
+    turn1, _ = ask(core, fake_clock, 40, session="s1")
+    core.finish(turn1, "ok", fake_clock.now())  # s1 is live now, its 40 blocks parked
+    held, _ = ask(core, fake_clock, 40)
+    new, adm = ask(core, fake_clock, 10)
+    assert adm.verdict == "queue"
+    turn2, adm2 = ask(core, fake_clock, 50, session="s1", prompt=tokens(50, turn1.spec.token_ids))
+    assert adm2.verdict == "queue"  # continuing: pushes `new` out
+    [(job, refused)] = core.pump(fake_clock.now())
+    assert job is new and refused.reason == "displaced"
+    core.finish(held, "ok", fake_clock.now())
+    [(job, adm)] = core.pump(fake_clock.now())
+    assert job is turn2 and adm.ticket.priority == "continuing_session"
+    assert (adm.ticket.blocks, adm.ticket.new_blocks) == (50, 10)
+
+
+def test_parked_sessions_hold_room_against_new_work_until_idle(fake_clock):
+    core = make(queue_timeout_s=30.0)
+    for sid in ("s1", "s2"):
+        job, _ = ask(core, fake_clock, 40, session=sid)
+        core.finish(job, "ok", fake_clock.now())
+    ask(core, fake_clock, 5)
+    assert core.replica_view(A).kv_cache_usage == pytest.approx(0.85)
+    new, adm = ask(core, fake_clock, 10, session="s3")
+    assert adm.verdict == "queue"  # 0.85 + 0.10: the live sessions' prefixes would be evicted
+    fake_clock.advance(11)  # both sessions idle past session_idle_s
+    [(job, adm)] = core.pump(fake_clock.now())
+    assert job is new and adm.ticket.blocks == 10
+
+
+def test_group_members_after_the_first_are_group_priority(fake_clock):
+    core = make()
+    prompt = tokens(11)[:32 * 10 + 16]  # 10 full blocks + a partial one: 11 blocks at its peak
+    first, a1 = ask(core, fake_clock, 11, group="g", prompt=prompt)
+    second, a2 = ask(core, fake_clock, 11, group="g", prompt=prompt)  # shares the first member's 10 blocks
+    assert (a1.ticket.priority, a2.ticket.priority) == ("new", "group_member")
+    assert (a1.ticket.blocks, a2.ticket.blocks) == (11, 1) and core.admission.ledger.committed(A) == 12
+
+
+def test_disabled_admits_everything(fake_clock):
+    core = make(enabled=False)
+    jobs = [ask(core, fake_clock, 60)[0] for _ in range(3)]
+    assert core.admission.ledger.committed(A) == 180 and core.queue_length() == 0
+    for j in jobs:
+        core.finish(j, "ok", fake_clock.now())
+    assert core.admission.ledger.committed(A) == 0
+
+
+def test_cancelled_waiter_leaves_at_once_and_unhealthy_replica_sends_its_queue_back(fake_clock):
+    core = make()
+    held, _ = ask(core, fake_clock, 80)
+    gone, _ = ask(core, fake_clock, 10)
+    rerouted, _ = ask(core, fake_clock, 10)
+    core.finish(gone, "cancelled", fake_clock.now())
+    assert core.queue_length() == 1  # at once, not at its deadline
+    core.set_health(A, False)
+    [(job, adm)] = core.pump(fake_clock.now())
+    assert job is rerouted and adm.verdict == "replica_gone" and job.decision is None and job.tried == [A]
+    core.finish(held, "ok", fake_clock.now())
+    core.finish(rerouted, "cancelled", fake_clock.now())
+    assert core.in_flight(A) == 0 and core.queue_length() == 0
+    core.check_integrity()
+
+
+def test_a_cancelled_big_request_no_longer_holds_back_a_small_one(fake_clock):
+    """Issue 9 defect: a 5-block request that fits waited 30 s behind a cancelled 60-block one."""
+    core = make(queue_timeout_s=30.0)
+    ask(core, fake_clock, 40)
+    big, adm = ask(core, fake_clock, 60)
+    assert adm.verdict == "queue"
+    core.finish(big, "cancelled", fake_clock.now())
+    small, adm = ask(core, fake_clock, 5)
+    assert adm.verdict == "admit"

@@ -1,0 +1,110 @@
+"""VersionBook: salts by policy, step tags without churn, session starts, routing exclusions."""
+
+from __future__ import annotations
+
+import pytest
+
+from cache_policy.registry import KeyRegistry
+from cache_policy.types import ReplicaId
+from cache_policy.versions import VersionBook
+
+A, B = ReplicaId("replica-0"), ReplicaId("replica-1")
+
+
+class Book:
+    """A VersionBook over two replicas, with its key registry (ttl 100 s)."""
+
+    def __init__(self, policy: str = "keep+salt", initial: int | None = 0) -> None:
+        self.v = VersionBook(policy, initial)  # type: ignore[arg-type]
+        self.reg = KeyRegistry(1000, ttl_s=100.0)
+        for rid in (A, B):
+            self.v.set_loaded(rid, initial)
+
+    def assign(self, now: float, session_id=None, group_id=None, weight_version=None, tenant=None):
+        self.reg.advance(now)
+        self.reg.expire(now)
+        return self.v.assign(self.reg, session_id, group_id, weight_version, tenant)
+
+    def update(self, version: int, policy: str | None = None) -> None:
+        for rid in (A, B):
+            self.v.set_loaded(rid, version)
+        self.v.finish_update(version, policy or self.v.policy)
+
+
+def test_step_tags_without_a_weight_change_keep_one_salt():
+    b = Book("salt")
+    salts = {b.assign(0.0, weight_version=step).salt for step in (None, 0, 3, 9)}
+    assert salts == {"rr:v0"}
+    b.update(10)
+    assert b.assign(1.0, weight_version=12).salt == "rr:v10"
+    assert b.assign(1.0).salt == "rr:v10"
+    assert b.assign(1.0, weight_version=7).salt == "rr:v0"  # tagged with the old version
+
+
+@pytest.mark.parametrize("policy", ["flush", "keep"])
+def test_flush_and_keep_send_no_salt(policy):
+    b = Book(policy)
+    choice = b.assign(0.0, session_id="s")
+    assert choice.salt is None and choice.version == 0 and b.v.excluded(choice, [A, B]) == set()
+
+
+def test_keep_plus_salt_sessions_keep_their_start_salt_new_ones_get_the_new():
+    b = Book("keep+salt")
+    assert b.assign(0.0, session_id="old", group_id="g").salt == "rr:v0"
+    b.update(1)
+    kept = b.assign(1.0, session_id="old", weight_version=1)
+    assert (kept.salt, kept.salt_version, kept.version) == ("rr:v0", 0, 1)
+    assert b.assign(1.0, group_id="g").salt == "rr:v0"  # the group started before too
+    assert b.assign(1.0, session_id="new").salt == "rr:v1"
+    assert b.assign(1.0, group_id="g2").salt == "rr:v1"
+    # a tool call longer than session_idle_s keeps the start version (issue 9: the horizon is key_ttl_s)
+    assert b.assign(50.0, session_id="old").salt == "rr:v0"
+    assert b.assign(151.0, session_id="old").salt == "rr:v1"  # forgotten after 100 s unseen: afresh
+
+
+def test_salt_policy_resalts_continuing_sessions():
+    b = Book("salt")
+    b.assign(0.0, session_id="s")
+    b.update(1)
+    assert b.assign(1.0, session_id="s").salt == "rr:v1"
+
+
+def test_salted_requests_go_to_replicas_serving_their_version():
+    b = Book("salt")
+    b.v.set_loaded(A, 1)  # rolling update: A done, B still on 0
+    b.v.finish_update(1, "salt")
+    new = b.assign(0.0)
+    assert new.salt == "rr:v1" and b.v.excluded(new, [A, B]) == {B}
+    old = b.assign(0.0, weight_version=0)
+    assert old.salt == "rr:v0" and b.v.excluded(old, [A, B]) == {A}
+    b.v.rotation[A] = "updating"
+    assert b.v.excluded(new, [A, B]) == {A}  # nobody in rotation serves v1: only rotation applies
+    assert b.v.updating()
+    del b.v.rotation[A]
+    assert not b.v.updating()
+
+
+def test_version_log_reports_mixed_versions():
+    b = Book()
+    mark = b.v.mark(A)
+    assert b.v.versions_since(A, mark) == [0]
+    b.v.set_loaded(A, 1)
+    assert b.v.versions_since(A, mark) == [0, 1]
+    assert b.v.versions_since(A, b.v.mark(A)) == [1]
+    assert b.v.loaded[A] == 1
+
+
+def test_unknown_initial_version_means_no_salt_until_an_update():
+    b = Book("salt", initial=None)
+    assert b.assign(0.0).salt is None
+    b.update(3)
+    assert b.assign(0.0).salt == "rr:v3"
+    with pytest.raises(ValueError, match="weight_update_policy"):
+        Book("salted")
+
+
+@pytest.mark.parametrize("policy", ["flush", "keep", "salt", "keep+salt"])
+def test_a_tenant_is_folded_into_every_salt(policy):
+    b = Book(policy)
+    mine, theirs, none = (b.assign(0.0, tenant=t).salt for t in ("a", "b", None))
+    assert mine != theirs and None not in (mine, theirs) and none not in (mine, theirs)
