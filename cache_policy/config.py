@@ -62,6 +62,10 @@ class PolicyConfig:
     session_idle_s: float = 120.0
     """A session unseen for longer than this is no longer live (not a continuing session)."""
 
+    failures_out_of_rotation: int = 3
+    """Consecutive failed dispatches (after a retry on a fresh connection) that take a replica out
+    of rotation until it answers again; a refused connection takes it out at once."""
+
     key_ttl_s: float = 3600.0
     """A session's or group's record (pin, start version) unseen for longer than this, with
     nothing in flight, is forgotten; a keep+salt session keeps its start version until then."""
@@ -81,6 +85,7 @@ class PolicyConfig:
         _in_unit(self, "cache_threshold", low_open=False)
         _at_least(self, "max_index_blocks", 1)
         _at_least(self, "max_pins", 1)
+        _at_least(self, "failures_out_of_rotation", 1)
         _at_least(self, "move_queue_cost_tokens", 0)
         _positive(self, "predicted_ttl_s")
         _in_unit(self, "high_watermark", low_open=True)

@@ -38,10 +38,12 @@ from cache_policy.salts import WeightUpdatePolicy
 from cache_policy.types import Decision, ReplicaId, ReplicaView, RequestKind, RequestView
 from cache_policy.versions import SaltChoice, VersionBook
 
-Outcome = Literal["ok", "refused", "unreachable", "retry", "cancelled", "failed"]
+Outcome = Literal["ok", "refused", "down", "unreachable", "retry", "cancelled", "failed"]
 """How a job ended: ``ok``; ``refused`` (the replica answered 4xx: it prefilled nothing);
-``unreachable`` (nothing reached the replica: it is marked unhealthy, the job may be placed
-again); ``retry`` (the replica failed it before anything reached the client, e.g. a scoring
+``down`` (connection refused: the replica is marked unhealthy at once, the job may be placed
+again); ``unreachable`` (the connection failed, also on a fresh one: one more consecutive
+failure of the replica, which leaves rotation at ``failures_out_of_rotation``; the job may be
+placed again); ``retry`` (the replica failed it before anything reached the client, e.g. a scoring
 row missing: the job may be placed again, the replica stays); ``cancelled`` (the client went
 away); ``failed`` (any other error after dispatch)."""
 
@@ -92,6 +94,8 @@ class ReplicaRecord:
     scoring_cap: bool = False
     healthy: bool = True
     load: ReplicaLoad = field(default_factory=ReplicaLoad)
+    failures: int = 0
+    """Consecutive failed dispatches (reset by an answer)."""
 
     def view(self, version: int | None) -> ReplicaView:
         """A snapshot for the policies (``in_flight`` is filled in by the core)."""
@@ -189,7 +193,9 @@ class DecisionCore:
         if rec is None:
             return
         rec.healthy = healthy
-        if not healthy:
+        if healthy:
+            rec.failures = 0
+        else:
             self._drop_queue(rid)
 
     def observe_load(self, rid: ReplicaId, load: ReplicaLoad, scrape_started_at: float) -> None:
@@ -306,7 +312,7 @@ class DecisionCore:
     def finish(self, job: Job, outcome: Outcome, now: float) -> None:
         """``job`` ended as ``outcome`` (see :data:`Outcome`). Idempotent for a finished job.
 
-        ``unreachable`` and ``retry`` leave the job open: place it again (its ``tried`` list grows)."""
+        ``down``, ``unreachable`` and ``retry`` leave the job open: place it again (its ``tried`` list grows)."""
         if job.done:
             return
         self.registry.advance(now)
@@ -319,17 +325,28 @@ class DecisionCore:
             self.policy.on_finished(job.view, rid)
             if job.ticket is not None:
                 self.admission.release(job.ticket, now, park=outcome == "ok")
-            if outcome in ("refused", "unreachable") or (outcome == "cancelled" and job.ticket is None):
+            if outcome in ("refused", "down", "unreachable") or (outcome == "cancelled" and job.ticket is None):
                 self._undo(job)
-        if outcome in ("unreachable", "retry") and rid is not None:
-            if outcome == "unreachable":
-                self.set_health(rid, False)
+            self._count_failure(rid, outcome)
+        if outcome in ("down", "unreachable", "retry") and rid is not None:
             job.tried.append(rid)
             job.decision, job.admission = None, None
             return
         job.done = True
         if outcome == "ok" and job.spec.ends_session and job.spec.session_id is not None:
             self.end_session(job.spec.session_id)
+
+    def _count_failure(self, rid: ReplicaId, outcome: Outcome) -> None:
+        """Consecutive dispatch failures of ``rid``: one bad connection is not a dead replica."""
+        rec = self.replicas.get(rid)
+        if rec is None:
+            return
+        if outcome in ("ok", "refused"):
+            rec.failures = 0
+        elif outcome in ("down", "unreachable", "failed"):
+            rec.failures += 1
+            if outcome == "down" or rec.failures >= self.cfg.failures_out_of_rotation:
+                self.set_health(rid, False)
 
     # -- reading the state ----------------------------------------------------------------------
 

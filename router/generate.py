@@ -15,7 +15,7 @@ from cache_policy.core import Job, RequestSpec
 from replicas.replica_set import ReplicaEndpoint
 from router import keys
 from router.parse import ParsedRequest
-from router.proxy import UpstreamResult, post_json, relay_stream
+from router.proxy import CACHED_TOKENS, FAILED, UpstreamResult, post_json, relay_stream
 from router.responses import json_answer, route_headers
 
 UPSTREAM_PATH = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
@@ -62,12 +62,12 @@ async def forward(client: web.Request, parsed: ParsedRequest, token_ids: list[in
             cached = _cached_tokens(resp.payload)
             resp = json_answer(resp, job, core, parsed.endpoint, expose_cached=expose)
         else:
-            cached = resp.get("rollout_cached_tokens")
+            cached = resp.get(CACHED_TOKENS)
         if resp.status == 200:  # prompts a replica refused were never prefilled
             metrics.count_prompt(job, len(token_ids) * samples, cached)
         return resp
 
-    return await life.run(spec, attempt, status=lambda r: r.status)
+    return await life.run(spec, attempt, status=lambda r: r.status, failed=lambda r: bool(r.get(FAILED)))
 
 
 def _cached_tokens(payload: Any) -> int | None:

@@ -66,7 +66,8 @@ class Lifecycle:
         self._waiters: dict[int, asyncio.Future[Admission]] = {}
         self._rotation_changed = asyncio.Event()
 
-    async def run(self, spec: RequestSpec, attempt: Attempt[T], status: Callable[[T], int]) -> T:
+    async def run(self, spec: RequestSpec, attempt: Attempt[T], status: Callable[[T], int],
+                  failed: Callable[[T], bool] = lambda _: False) -> T:
         """Open, place, admit and run ``attempt`` until it succeeds, is refused, or retries run out.
 
         Raises NoReplica (503), Overloaded (429), UpstreamError (502) or the attempt's own errors.
@@ -86,6 +87,8 @@ class Lifecycle:
                     continue
                 code = status(result)
                 outcome = "refused" if 400 <= code < 500 else "ok" if code < 400 else "failed"
+                if outcome == "ok" and failed(result):
+                    outcome = "failed"  # a stream its replica broke after it started: ended with an error event
                 return result
         except asyncio.CancelledError:
             outcome = "cancelled"
@@ -172,7 +175,8 @@ class Lifecycle:
         rid = job.decision.replica_id
         unreachable = isinstance(exc, ReplicaUnreachable)
         log.warning("replica %s %s: %s", rid, "unreachable" if unreachable else "failed the request", exc)
-        self.core.finish(job, "unreachable" if unreachable else "retry", self.clock())
+        outcome = ("down" if exc.refused else "unreachable") if unreachable else "retry"
+        self.core.finish(job, outcome, self.clock())
         self._after_finish(rid)
         if len(job.tried) > self.cfg.connect_retries:
             raise UpstreamError(f"replica {rid} {'unreachable' if unreachable else 'failed'} and retries "

@@ -23,7 +23,41 @@ log = logging.getLogger(__name__)
 
 
 class ReplicaUnreachable(Exception):
-    """Connecting or talking to the replica failed before any byte reached the client."""
+    """Connecting or talking to the replica failed before any byte reached the client.
+
+    ``refused``: nobody listens at its address (connection refused): it is down, not flaky."""
+
+    def __init__(self, message: str, *, refused: bool = False) -> None:
+        super().__init__(message)
+        self.refused = refused
+
+
+FAILED = web.ResponseKey("rollout_failed", bool)
+"""Set on a relayed stream its replica broke after it started (ended with an error event)."""
+CACHED_TOKENS = web.ResponseKey("rollout_cached_tokens", object)
+"""Set on a relayed stream: the cached prompt tokens its usage chunk reported (None: no usage)."""
+
+_STALE = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
+"""A pooled keep-alive connection the server had closed, a broken pipe or a reset: tried once
+more on a fresh connection to the same replica before the replica counts as failing."""
+
+
+async def _send(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> aiohttp.ClientResponse:
+    """POST ``body``, once more on a fresh connection if the first one was stale.
+
+    Raises ReplicaUnreachable (``refused`` when nobody listens)."""
+    for attempt in (1, 2):
+        try:
+            return await http.post(url, json=body)
+        except aiohttp.ClientConnectorError as exc:
+            raise ReplicaUnreachable(f"{url}: {exc!r}", refused=True) from exc
+        except _STALE as exc:
+            if attempt == 2:
+                raise ReplicaUnreachable(f"{url}: {exc!r} (twice, on a fresh connection too)") from exc
+            log.info("stale connection to %s (%r): once more on a fresh one", url, exc)
+        except aiohttp.ClientConnectionError as exc:
+            raise ReplicaUnreachable(f"{url}: {exc!r}") from exc
+    raise AssertionError("unreachable")
 
 
 @dataclass(frozen=True)
@@ -38,10 +72,10 @@ class UpstreamResult:
 async def post_json(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> UpstreamResult:
     """POST ``body`` and read the whole answer. Raises ReplicaUnreachable / UpstreamError."""
     try:
-        async with http.post(url, json=body) as up:
+        async with await _send(http, url, body) as up:
             raw = await up.read()
             status = up.status
-    except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
+    except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:  # died mid-answer
         raise ReplicaUnreachable(f"{url}: {exc!r}") from exc
     except asyncio.TimeoutError as exc:
         raise UpstreamError(f"replica timed out on {url}") from exc
@@ -66,6 +100,20 @@ def stream_cached_tokens(tail: bytes) -> int | None:
     return None
 
 
+STREAM_ERROR_CODE = 503
+"""The code of the error event that ends a stream its replica broke: retriable, as a 503 is."""
+
+
+async def _end_with_error(resp: web.StreamResponse, message: str) -> None:
+    """Close a started stream properly: an OpenAI-style error event, then ``[DONE]``."""
+    event = {"error": {"message": message, "type": "upstream_error", "param": None, "code": STREAM_ERROR_CODE}}
+    try:
+        await resp.write(b"data: " + json.dumps(event).encode() + b"\n\ndata: [DONE]\n\n")
+        await resp.write_eof()
+    except (ConnectionResetError, RuntimeError):  # the client is gone too
+        pass
+
+
 def upstream_result(status: int, raw: bytes) -> UpstreamResult:
     """An upstream answer's status and body, with the body decoded if it is JSON."""
     try:
@@ -83,10 +131,7 @@ async def relay_stream(client: web.Request, http: aiohttp.ClientSession, url: st
     (nothing sent to ``client``), for the caller to answer as it answers a non-streamed one.
     Raises ReplicaUnreachable when the replica cannot be reached before the first byte.
     """
-    try:
-        up = await http.post(url, json=body)
-    except aiohttp.ClientConnectionError as exc:
-        raise ReplicaUnreachable(f"{url}: {exc!r}") from exc
+    up = await _send(http, url, body)
     try:
         if up.status != 200:
             return upstream_result(up.status, await up.read())
@@ -99,10 +144,15 @@ async def relay_stream(client: web.Request, http: aiohttp.ClientSession, url: st
                 await resp.write(chunk)
                 tail = (tail + chunk)[-_TAIL_BYTES:]
             await resp.write_eof()
-            resp["rollout_cached_tokens"] = stream_cached_tokens(tail)
+            resp[CACHED_TOKENS] = stream_cached_tokens(tail)
         except ConnectionResetError:  # the client went away mid-stream: an expected outcome
             log.info("client disconnected from %s mid-stream; aborting upstream", url)
             up.close()  # dropping the upstream connection makes vLLM abort and free the KV cache
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:  # the replica failed mid-stream
+            log.warning("replica failed mid-stream on %s: %r; ending the stream with an error event", url, exc)
+            up.close()
+            resp[FAILED] = True
+            await _end_with_error(resp, f"the replica failed mid-stream ({type(exc).__name__}); retry the request")
         return resp
     except asyncio.CancelledError:
         up.close()  # client went away: drop the upstream connection so vLLM aborts the request

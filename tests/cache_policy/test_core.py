@@ -100,16 +100,44 @@ def test_an_ended_session_releases_its_pin_and_parked_prefix():
     assert core.registry.get("session", "s") is None and core.registry.parked_blocks(rid) == 0
 
 
-def test_an_unreachable_replica_is_marked_and_the_job_placed_elsewhere():
+def test_a_down_replica_is_marked_at_once_and_the_job_placed_elsewhere():
     core = fleet()
     job, _ = run(core, RequestSpec(list(range(100)), session_id="s"), 0.0)
     dead = job.replica_id
-    core.finish(job, "unreachable", 0.0)
+    core.finish(job, "down", 0.0)  # connection refused
     assert not core.replicas[dead].healthy and not job.done and job.tried == [dead]
     assert core.place(job, 0.0).replica_id != dead
     assert core.admit(job, 0.0).verdict == "admit"
     core.finish(job, "ok", 0.0)
     assert core.registry.get("session", "s").replica != dead and core.in_flight(dead) == 0
+
+
+def test_one_dropped_connection_moves_the_job_but_not_the_replica_out_of_rotation():
+    """Issue 12: a replica leaves rotation after several consecutive failures, not on one."""
+    core = fleet(failures_out_of_rotation=3)
+    flaky = None
+    for i in range(3):
+        job, _ = run(core, RequestSpec(list(range(1000 * i, 1000 * i + 100)), session_id=f"s{i}"), 0.0)
+        flaky = flaky or job.replica_id
+        if job.replica_id != flaky:
+            core.finish(job, "ok", 0.0)
+            continue
+        core.finish(job, "unreachable", 0.0)
+        assert job.tried == [flaky] and core.place(job, 0.0).replica_id != flaky  # this job moves at once
+        core.admit(job, 0.0)
+        core.finish(job, "ok", 0.0)
+    rec = core.replicas[flaky]
+    assert rec.healthy == (rec.failures < 3)
+    for _ in range(3):
+        job = core.open(RequestSpec(list(range(50_000, 50_100))), 1.0)
+        job.tried = [r for r in R if r != flaky]  # force it onto the flaky one
+        if core.place(job, 1.0) is None:
+            break
+        core.admit(job, 1.0)
+        core.finish(job, "unreachable", 1.0)
+    assert not core.replicas[flaky].healthy
+    core.set_health(flaky, True)  # the scrape saw it answer again
+    assert core.replicas[flaky].failures == 0
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
