@@ -202,15 +202,16 @@ def test_pin_on_absent_replica_moves(fleet2, hreq) -> None:
     assert d.reason == RouteReason.REPIN and d.extra["moved_pin"] == "group"
 
 
-def test_group_pin_moves_only_when_far_over_load(fleet2, req) -> None:
+def test_group_pin_moves_only_when_its_replica_is_saturated(fleet2, req) -> None:
     p = policy(5)
     prompt = tokens(128, 5)
     members = [req(prompt, group_id="g") for _ in range(16)]
     home = [fleet2.route(p, m) for m in members][-1].replica_id
     other = "b" if home == "a" else "a"
-    fleet2.set(home, in_flight=16 + 4)  # 4 foreign requests: 4 <= 3 * 0 + 4
+    fleet2.set(home, in_flight=16 + 20)  # load alone never moves a pin (issue 14)
     assert p.select(req(prompt, group_id="g"), fleet2.list()).reason == RouteReason.GROUP
-    fleet2.set(home, in_flight=16 + 5)  # 5 foreign requests: far over
+    # saturated (KV over the watermark, one request waiting): 1 * 256 > 4 blocks * 32 to prefill again
+    fleet2.set(home, num_gpu_blocks=100, kv_cache_usage=0.95, num_waiting=1)
     late = req(prompt, group_id="g")
     d = p.select(late, fleet2.list())
     assert (d.replica_id, d.reason) == (other, RouteReason.REPIN)
