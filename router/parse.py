@@ -117,7 +117,17 @@ def routing_keys(body: dict[str, Any], headers: Mapping[str, str], limits: Limit
         values[name] = header if value is None else value
     return RoutingKeys(_key_text("session_id", values["session_id"], limits),
                        _key_text("group_id", values["group_id"], limits),
-                       _weight_version(values["weight_version"]), tenant)
+                       _weight_version(values["weight_version"]), tenant, _end_session(body, headers))
+
+
+def _end_session(body: dict[str, Any], headers: Mapping[str, str]) -> bool:
+    """``end_session`` (body, popped) or ``X-Session-End`` (header): this is the session's last turn."""
+    value, header = body.pop("end_session", None), headers.get("X-Session-End")
+    if value is not None and not isinstance(value, bool):
+        raise BadRequest("'end_session' must be a boolean", param="end_session")
+    if header is not None and header.strip().lower() not in ("true", "false", "1", "0"):
+        raise BadRequest("header X-Session-End must be true or false", param="end_session")
+    return bool(value) or (header is not None and header.strip().lower() in ("true", "1"))
 
 
 _routing_keys = routing_keys  # the name router.score imported

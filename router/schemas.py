@@ -32,6 +32,9 @@ class RoutingFields(BaseModel):
     """A group of samples sharing one prompt (GRPO): kept on one replica."""
     weight_version: int | str | None = None
     """The policy weight version the request must run under (an integer >= 0)."""
+    end_session: bool | None = None
+    """This is the session's last turn: its pin and parked prefix are released when it ends
+    (header ``X-Session-End: true``; or ``DELETE /v1/sessions/{session_id}``)."""
 
 
 class TextPart(BaseModel):

@@ -98,3 +98,20 @@ def test_score_errors_name_the_field(body, param):
     with pytest.raises(BadRequest) as err:
         parse_score(body, {})
     assert err.value.param == param
+
+
+def test_end_session_comes_from_the_body_or_a_header_and_is_checked():
+    from router.errors import BadRequest
+    from router.parse import routing_keys
+
+    assert routing_keys({"end_session": True}, {}).end_session is True
+    assert routing_keys({}, {"X-Session-End": "true"}).end_session is True
+    body = {"end_session": False, "prompt": [1]}
+    assert routing_keys(body, {}).end_session is False and "end_session" not in body  # never forwarded
+    for bad_body, bad_headers in (({"end_session": "yes"}, {}), ({}, {"X-Session-End": "maybe"})):
+        try:
+            routing_keys(bad_body, bad_headers)
+        except BadRequest as exc:
+            assert exc.param == "end_session"
+        else:
+            raise AssertionError("accepted a bad end_session")
