@@ -40,6 +40,14 @@ class ScoringCap:
         assert self.cap_tokens == min(self.start, self.input_len - 1), "bug: cap != min(S, N-1)"
 
 
+def cap_tokens(score_start: int, input_len: int) -> int:
+    """The most tokens a prefix-cache hit may cover: ``min(S, N - 1)`` (before block rounding).
+
+    The one home of the cap formula: the router (``scoring_cap``) and the replica plugin
+    (``replicas.vllm_plugin.contract.resolve_cap``) both call it."""
+    return min(score_start, input_len - 1)
+
+
 def scoring_cap(context_len: int, input_len: int) -> ScoringCap:
     """The cap for context length P = ``context_len`` and input length N = ``input_len``."""
     if context_len < 1:
@@ -52,7 +60,7 @@ def scoring_cap(context_len: int, input_len: int) -> ScoringCap:
             f"context_len {context_len}"
         )
     start = context_len - 1
-    return ScoringCap(context_len, input_len, start, min(start, input_len - 1))
+    return ScoringCap(context_len, input_len, start, cap_tokens(start, input_len))
 
 
 def cached_tokens_bound(cap_tokens: int, block_size: int) -> int:

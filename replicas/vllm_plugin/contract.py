@@ -40,6 +40,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from cache_policy.scoring import cached_tokens_bound, cap_tokens
+
 SCORE_START_KEY = "rollout_router_score_start"
 """``SamplingParams.extra_args`` key (``vllm_xargs`` over HTTP) carrying S, the first scored
 position (``P - 1``)."""
@@ -105,10 +107,10 @@ def validate_score_start(value: Any, num_prompt_tokens: int) -> int:
 
 
 def resolve_cap(score_start: int, num_tokens: int) -> int:
-    """The most tokens a prefix-cache hit may cover: ``min(S, N - 1)``."""
-    return min(score_start, num_tokens - 1)
+    """The most tokens a prefix-cache hit may cover: ``min(S, N - 1)`` (``cache_policy.scoring``)."""
+    return cap_tokens(score_start, num_tokens)
 
 
 def block_rounded_hit(cap: int, block_size: int) -> int:
-    """The largest cache hit the cap allows once rounded down to whole blocks."""
-    return (cap // block_size) * block_size
+    """The largest cache hit the cap allows once rounded down to whole blocks (``cache_policy.scoring``)."""
+    return cached_tokens_bound(cap, block_size)
