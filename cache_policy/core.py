@@ -28,6 +28,8 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from cache_policy.admission import blocks_needed
+from cache_policy.affinity import PrefixAffinityPolicy
+from cache_policy.prefix_index import PrefixIndex
 from cache_policy.admission_queue import AdmissionRequest
 from cache_policy.admission_state import Admission, AdmissionState, project
 from cache_policy.config import PolicyConfig
@@ -305,6 +307,7 @@ class DecisionCore:
         for request, adm in self.admission.pump(views, now):
             job = self._jobs.pop(request.request_id)
             job.queued, job.admission = None, adm
+            self._refresh_expected(job, now)  # evictions seen while it waited (KV events) count
             self._outbox.append((job, adm))
         out, self._outbox = self._outbox, []
         return out
@@ -336,6 +339,15 @@ class DecisionCore:
         if outcome == "ok" and job.spec.ends_session and job.spec.session_id is not None:
             self.end_session(job.spec.session_id)
 
+    def _refresh_expected(self, job: Job, now: float) -> None:
+        index = self.prefix_index()
+        if index is None or job.decision is None:
+            return
+        matched = index.match(job.view.block_hashes, now).get(job.decision.replica_id, 0)
+        full = max(0, (job.view.num_prompt_tokens - 1) // self.block_size)
+        job.decision = replace(job.decision, matched_blocks=min(matched, full))
+        job.expected_cached_tokens = job.decision.matched_blocks * self.block_size
+
     def _count_failure(self, rid: ReplicaId, outcome: Outcome) -> None:
         """Consecutive dispatch failures of ``rid``: one bad connection is not a dead replica."""
         rec = self.replicas.get(rid)
@@ -362,6 +374,11 @@ class DecisionCore:
         """Versions ``job``'s replica served from its dispatch until now."""
         rid = job.replica_id
         return self.versions.versions_since(rid, job.version_mark) if rid is not None else []
+
+    def prefix_index(self) -> PrefixIndex | None:
+        """The placement policy's prefix index, for the KV-event subscriber (None: the policy
+        keeps none, e.g. round-robin)."""
+        return self.policy.index if isinstance(self.policy, PrefixAffinityPolicy) else None
 
     def queue_length(self) -> int:
         return len(self.admission.queue)
@@ -437,3 +454,6 @@ class DecisionCore:
         if now - self._swept_at >= 1.0:
             self._swept_at = now
             self.registry.expire(now)
+            index = self.prefix_index()
+            if index is not None:
+                index.expire(now)  # predictions no KV event confirmed in time

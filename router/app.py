@@ -18,7 +18,7 @@ from router import admin, handlers, keys, score
 from router.config import AppConfig
 from router.edge import edge_middleware
 from router.errors import error_middleware
-from router.kv_events import kv_events_ctx
+from router.kv_events import KV_EVENTS, kv_events_ctx
 from router.lifecycle import Lifecycle
 from router.metrics import RouterMetrics, metrics_middleware
 from router.pool import ReplicaPool
@@ -119,6 +119,9 @@ async def _scrape_loop(app: web.Application, interval_s: float) -> None:
         try:
             app[keys.LIFECYCLE].pump()
             metrics.publish_replicas(core, pool)
+            subscriber = app.get(KV_EVENTS)
+            if subscriber is not None:
+                metrics.publish_kv_events(subscriber.snapshot())
         except Exception as exc:  # noqa: BLE001 - the loop must outlive one bad round
             if repr(type(exc)) not in seen:
                 seen.add(repr(type(exc)))

@@ -248,7 +248,7 @@ async def kv_events_ctx(app) -> AsyncIterator[None]:
     from router import keys
 
     core, cfg = app[keys.CORE], app[keys.CONFIG]
-    index = getattr(core.policy, "index", None)
+    index = core.prefix_index()
     if not cfg.router.kv_events or index is None:
         app[KV_EVENTS] = None
         yield

@@ -61,6 +61,11 @@ class RouterMetrics:
                                       "scrape, by state (running, waiting)", ["replica", "state"], registry=r)
         self.replica_preemptions = Gauge("rollout_router_replica_preemptions", "The replica's own preemption count "
                                          "(vllm:num_preemptions_total) at its last scrape", ["replica"], registry=r)
+        self.kv_index = Gauge("rollout_router_kv_index", "The prefix index: entries, predicted, confirmed, "
+                              "expired (predictions no KV event confirmed in time)", ["name"], registry=r)
+        self.kv_events = Gauge("rollout_router_kv_events", "KV events from each replica: batches, gaps, "
+                               "gaps_repaired, gaps_lost, garbage, restarts, lag_s, events, stored, removed, "
+                               "unmapped, resets", ["replica", "name"], registry=r)
         self._prompt: dict[str, int] = {}
         self._cached: dict[str, int] = {}
 
@@ -93,6 +98,15 @@ class RouterMetrics:
             self.replica_requests.labels(rid, "running").set(m.num_running)
             self.replica_requests.labels(rid, "waiting").set(m.num_waiting)
             self.replica_preemptions.labels(rid).set(m.num_preemptions)
+
+    def publish_kv_events(self, snapshot: dict[str, float]) -> None:
+        """The KV-event subscriber's counters (``KvEventSubscriber.snapshot``) as gauges."""
+        for key, value in snapshot.items():
+            rid, _, name = key.rpartition(":")
+            if rid:
+                self.kv_events.labels(rid, name).set(value)
+            else:
+                self.kv_index.labels(name).set(value)
 
     async def handle(self, request: web.Request) -> web.Response:
         """GET /metrics in the Prometheus text format."""
