@@ -14,7 +14,7 @@ from aiohttp import web
 from cache_policy.core import DecisionCore
 from replicas.auth import PROCESS_KEYS
 from replicas.replica_set import ReplicaEndpoint
-from router import admin, handlers, keys, score
+from router import admin, fleet, handlers, keys, score
 from router.config import AppConfig
 from router.edge import edge_middleware
 from router.errors import error_middleware
@@ -63,6 +63,9 @@ def create_app(cfg: AppConfig, endpoints: Sequence[ReplicaEndpoint], tokenizer: 
     app.router.add_get("/metrics", app[keys.METRICS].handle)
     app.router.add_post("/admin/weights", admin.post_weights)
     app.router.add_get("/admin/weights", admin.get_weights)
+    app.router.add_get("/admin/replicas", fleet.list_replicas)
+    app.router.add_post("/admin/replicas", fleet.add_replica)
+    app.router.add_delete("/admin/replicas/{replica_id}", fleet.remove_replica)
     return app
 
 

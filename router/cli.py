@@ -140,7 +140,7 @@ async def _serve(cfg: AppConfig) -> None:
     signals = _Signals(asyncio.get_running_loop())
     async with ReplicaSet(cfg.replicas) as replica_set:
         signals.install()  # again: starting Ray may have replaced the handlers
-        async with running_router(cfg, replica_set.endpoints) as (url, app):
+        async with running_router(cfg, replica_set.endpoints, replica_set=replica_set) as (url, app):
             print(f"rollout-router serving {len(replica_set.endpoints)} replica(s) at {url} "
                   f"(policy {cfg.router.policy}); Ctrl-C or SIGTERM stops", flush=True)
             await signals.first.wait()

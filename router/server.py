@@ -16,6 +16,7 @@ from aiohttp import web
 from replicas.replica_set import ReplicaEndpoint
 from replicas.server import resolve_model
 from router.app import create_app
+from router.fleet import attach_fleet
 from router.config import AppConfig
 from router.shutdown import install as install_shutdown
 from router.tokenize import PromptTokenizer
@@ -30,10 +31,15 @@ def tokenizer_path(cfg: AppConfig) -> str:
 
 @contextlib.asynccontextmanager
 async def running_router(cfg: AppConfig, endpoints: Sequence[ReplicaEndpoint],
-                         tokenizer: PromptTokenizer | None = None) -> AsyncIterator[tuple[str, web.Application]]:
-    """Serve a router for ``endpoints``; yield ``(base_url, app)``; shut down on exit."""
+                         tokenizer: PromptTokenizer | None = None,
+                         replica_set=None) -> AsyncIterator[tuple[str, web.Application]]:
+    """Serve a router for ``endpoints``; yield ``(base_url, app)``; shut down on exit.
+
+    ``replica_set``: the ``ReplicaSet`` behind the endpoints, if any: the router follows its
+    events (restarts, new URLs, drains) and serves ``/admin/replicas`` for it."""
     tokenizer = tokenizer or PromptTokenizer(tokenizer_path(cfg))
     app = create_app(cfg, endpoints, tokenizer)
+    attach_fleet(app, replica_set)
     install_shutdown(app)
     r = cfg.router  # header limits and the keep-alive timer, which also bounds slow headers
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0,

@@ -1,0 +1,85 @@
+"""The router follows replica events (no vLLM): new URLs, forgotten caches, drains, removals.
+
+A real ``EventBus`` publishes the events a ``ReplicaSet`` publishes; the router app is real.
+"""
+
+from __future__ import annotations
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from cache_policy.core import RequestSpec
+from cache_policy.types import ReplicaId
+from replicas.events import EventBus
+from replicas.replica_set import ReplicaEndpoint
+from router import keys
+from router.app import create_app
+from router.config import AppConfig
+from router.fleet import attach_fleet
+from tests.router.edge_fixtures import tiny_tokenizer
+
+pytestmark = pytest.mark.asyncio(loop_scope="function")
+A, B = ReplicaId("replica-0"), ReplicaId("replica-1")
+
+
+class FakeFleet:
+    """The part of ReplicaSet the router uses: ``subscribe`` and ``events``."""
+
+    def __init__(self) -> None:
+        self.events = EventBus()
+
+    def subscribe(self, handler):
+        return self.events.subscribe(handler)
+
+
+def _ep(rid, port, blocks=1000):
+    return ReplicaEndpoint(rid, f"http://127.0.0.1:{port}", 32, blocks, "tiny-llama")
+
+
+async def test_restart_new_url_forgets_cache_and_pins_drain_and_remove():
+    cfg = AppConfig().replace(router={"port": 0, "scrape_interval_s": 0, "kv_events": False})
+    app = create_app(cfg, [_ep(A, 9), _ep(B, 10)], tiny_tokenizer())
+    fleet = FakeFleet()
+    attach_fleet(app, fleet)
+    async with TestClient(TestServer(app)):
+        core = app[keys.CORE]
+        job = core.open(RequestSpec(list(range(500)), session_id="s"), 0.0)
+        rid = core.place(job, 0.0).replica_id
+        core.admit(job, 0.0)
+        core.finish(job, "ok", 0.0)
+        assert core.prefix_index().blocks_of(rid) > 0 and core.registry.get("session", "s").replica == rid
+
+        fleet.events.publish("restarting", rid, _ep(rid, 9))
+        await fleet.events.flush()
+        assert not core.replicas[rid].healthy
+        fleet.events.publish("restarted", rid, _ep(rid, 19, blocks=777))
+        await fleet.events.flush()
+        assert app[keys.POOL].get(rid).endpoint.base_url == "http://127.0.0.1:19"
+        assert core.replicas[rid].healthy and core.replicas[rid].num_gpu_blocks == 777
+        assert core.prefix_index().blocks_of(rid) == 0 and core.registry.get("session", "s") is None
+
+        other = B if rid == A else A
+        fleet.events.publish("draining", other, _ep(other, 10))
+        await fleet.events.flush()
+        job = core.open(RequestSpec(list(range(900, 1000))), 1.0)
+        assert core.place(job, 1.0).replica_id == rid  # a draining replica gets no new work
+        core.finish(job, "cancelled", 1.0)
+        fleet.events.publish("removed", other, _ep(other, 10))
+        await fleet.events.flush()
+        assert other not in core.replicas and [s.endpoint.replica_id for s in app[keys.POOL].states()] == [rid]
+        core.check_integrity()
+
+
+async def test_admin_replicas_without_a_fleet_is_a_clear_409():
+    cfg = AppConfig().replace(router={"port": 0, "scrape_interval_s": 0, "kv_events": False, "admin_token": "t"})
+    app = create_app(cfg, [_ep(A, 9)], tiny_tokenizer())
+    attach_fleet(app, None)
+    async with TestClient(TestServer(app)) as client:
+        r = await client.get("/admin/replicas", headers={"Authorization": "Bearer t"})
+        assert r.status == 200 and [x["replica"] for x in (await r.json())["replicas"]] == [A]
+        r = await client.post("/admin/replicas", json={}, headers={"Authorization": "Bearer t"})
+        assert r.status == 409
+        r = await client.delete("/admin/replicas/nope", headers={"Authorization": "Bearer t"})
+        assert r.status == 400 and (await r.json())["error"]["param"] == "replica_id"
+        r = await client.get("/admin/replicas")
+        assert r.status == 401
