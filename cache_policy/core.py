@@ -355,7 +355,7 @@ class DecisionCore:
             return
         if outcome in ("ok", "refused"):
             rec.failures = 0
-        elif outcome in ("down", "unreachable", "failed"):
+        elif outcome in ("down", "unreachable", "retry", "failed"):
             rec.failures += 1
             if outcome == "down" or rec.failures >= self.cfg.failures_out_of_rotation:
                 self.set_health(rid, False)

@@ -14,6 +14,7 @@ from aiohttp import web
 from cache_policy.core import Job, RequestSpec
 from replicas.replica_set import ReplicaEndpoint
 from router import keys
+from router.lifecycle import RetryElsewhere
 from router.parse import ParsedRequest
 from router.proxy import CACHED_TOKENS, FAILED, UpstreamResult, post_json, relay_stream
 from router.responses import json_answer, route_headers
@@ -58,6 +59,9 @@ async def forward(client: web.Request, parsed: ParsedRequest, token_ids: list[in
         else:
             resp = await post_json(life.http, url, body)
         cached = None
+        if isinstance(resp, UpstreamResult) and resp.status >= 500:  # nothing reached the client yet
+            raise RetryElsewhere(f"replica {endpoint.replica_id} answered HTTP {resp.status}: "
+                                 f"{resp.raw[:200].decode('utf-8', 'replace')}")
         if isinstance(resp, UpstreamResult):
             cached = _cached_tokens(resp.payload)
             resp = json_answer(resp, job, core, parsed.endpoint, expose_cached=expose)

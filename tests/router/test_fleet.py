@@ -83,3 +83,38 @@ async def test_admin_replicas_without_a_fleet_is_a_clear_409():
         assert r.status == 400 and (await r.json())["error"]["param"] == "replica_id"
         r = await client.get("/admin/replicas")
         assert r.status == 401
+
+
+async def test_a_replica_answering_5xx_before_anything_reached_the_client_is_retried_elsewhere():
+    """Issue 12: a generation that had sent nothing to its client is retried on another replica."""
+    from aiohttp import web
+
+    from router.server import running_router
+    from tests.router.edge_fixtures import fake_replica
+
+    async def broken(_: web.Request) -> web.Response:
+        return web.json_response({"error": {"message": "EngineDeadError", "code": 500}}, status=500)
+
+    bad = web.Application()
+    bad.router.add_post("/v1/completions", broken)
+    runner = web.AppRunner(bad)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    bad_port = site._server.sockets[0].getsockname()[1]
+    cfg = AppConfig().replace(router={"port": 0, "scrape_interval_s": 0, "kv_events": False,
+                                      "policy": "round_robin"})
+    try:
+        async with fake_replica() as good:
+            endpoints = [_ep(A, bad_port), ReplicaEndpoint(B, good.url, 32, 1000, "tiny-llama")]
+            async with running_router(cfg, endpoints, tiny_tokenizer()) as (url, app):
+                import aiohttp
+
+                async with aiohttp.ClientSession() as http:
+                    async with http.post(url + "/v1/completions", json={"prompt": [5] * 40, "max_tokens": 2}) as r:
+                        assert r.status == 200 and r.headers["X-Rollout-Replica"] == B
+                assert app[keys.METRICS].retries.labels("failed")._value.get() == 1
+                assert len(good.bodies) == 1
+                assert app[keys.CORE].replicas[A].failures == 1 and app[keys.CORE].replicas[A].healthy
+    finally:
+        await runner.cleanup()
