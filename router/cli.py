@@ -1,4 +1,5 @@
-"""``rollout-router``: ``serve`` (replicas + router) and ``demo`` (the main job).
+"""``rollout-router``: ``serve`` (replicas + router). The demo (the main job) is ``bench.demo_cli``:
+the router never imports ``bench/``.
 
 Flags are generated from the config dataclasses, so every default is written once:
 ``--port`` overrides ``router.port`` and so on; ``--config`` names a YAML file.
@@ -89,24 +90,16 @@ def dataclass_overrides(args: argparse.Namespace, cls: type, prefix: str = "") -
 
 
 def _parser() -> argparse.ArgumentParser:
-    from bench.workloads import AgentWorkload, GrpoWorkload
-
     parser = argparse.ArgumentParser(
         prog="rollout-router",
         description="Prefix-cache-aware router for RL rollouts and OPD scoring in front of vLLM replicas.")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="start the replicas and serve the router until interrupted")
-    demo = sub.add_parser("demo", help="run GRPO and agent traffic through the router vs round-robin")
-    for p in (serve, demo):
+    for p in (serve,):
         p.add_argument("--config", default=None, help="YAML config (sections router, replicas, policy)")
         p.add_argument("--num-replicas", type=int, default=None, help="override replicas.num_replicas")
         p.add_argument("--log-level", default="WARNING", help="DEBUG | INFO | WARNING | ERROR (default: WARNING)")
     add_dataclass_flags(serve, RouterConfig)
-    # the demo runs its own routers on free ports, once per policy
-    add_dataclass_flags(demo, RouterConfig, skip=frozenset({"host", "port", "policy"}))
-    add_dataclass_flags(demo, GrpoWorkload, "grpo-")
-    add_dataclass_flags(demo, AgentWorkload, "agent-")
-    demo.add_argument("--out", default="results/demo.json", help="JSON results (a PNG plot goes beside it)")
     return parser
 
 
@@ -183,13 +176,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "serve":
             asyncio.run(_serve(cfg))
-        else:
-            from bench.demo import run_demo
-            from bench.workloads import AgentWorkload, GrpoWorkload
-
-            grpo = GrpoWorkload(**dataclass_overrides(args, GrpoWorkload, "grpo-"))
-            agent = AgentWorkload(**dataclass_overrides(args, AgentWorkload, "agent-"))
-            asyncio.run(run_demo(cfg, grpo, agent, Path(args.out)))
     except KeyboardInterrupt:
         return 130
     return 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from router import keys
+from router.errors import BadRequest
 from router.generate import forward
 from router.intake import read_chat, read_completion
 from router.schemas import openapi_document
@@ -57,6 +58,9 @@ async def end_session(request: web.Request) -> web.Response:
     """DELETE /v1/sessions/{session_id}: the client is done with the session; its pin and parked
     prefix are released at once (idle expiry remains for clients that never say so)."""
     session_id = request.match_info["session_id"]
+    limit = request.app[keys.CONFIG].router.max_key_chars
+    if len(session_id) > limit:
+        raise BadRequest(f"'session_id' is longer than {limit} characters (router.max_key_chars)", param="session_id")
     request.app[keys.CORE].end_session(session_id)
     request.app[keys.LIFECYCLE].pump()
     return web.json_response({"session_id": session_id, "ended": True})

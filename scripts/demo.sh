@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/rollout-router demo --config configs/local.yaml "$@"
+exec .venv/bin/python -m bench.demo_cli --config configs/local.yaml "$@"

@@ -8,7 +8,7 @@ Replays ``bench/demo.py``'s traffic exactly as ``bench/client.py`` sends it (sam
 ``agent_observation``) through the simulator's engines (block size 32, vLLM's CPU defaults:
 2048-token budget, 256 sequences) under ours (``prefix_affinity``) and ours' ``round_robin``,
 and prints its prefilled tokens next to the real demo's ``results/demo.json`` (written by
-``rollout-router demo``). A reply's token IDs are random here (the real model's differ), which
+``python -m bench.demo_cli``, what ``scripts/demo.sh`` runs). A reply's token IDs are random here (the real model's differ), which
 does not change which blocks are shared: every reply is 32 tokens either way.
 """
 

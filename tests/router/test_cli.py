@@ -16,10 +16,14 @@ def test_flags_override_config_fields():
 
 
 def test_demo_has_no_port_or_policy_flags():
+    from bench.demo_cli import parser
+
     with pytest.raises(SystemExit):
-        _parser().parse_args(["demo", "--port", "1"])
-    args = _parser().parse_args(["demo", "--grpo-num-prompts", "2", "--agent-turns", "3"])
+        parser().parse_args(["--port", "1"])
+    args = parser().parse_args(["--grpo-num-prompts", "2", "--agent-turns", "3"])
     assert args.grpo_num_prompts == 2 and args.agent_turns == 3
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["demo"])  # the router's CLI does not import bench/
 
 
 def test_config_errors_exit_2(capsys):
