@@ -68,7 +68,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--policies", type=_names(list(ROUTERS)), default=list(ROUTERS), help="routers to compare")
     p.add_argument("--requests", type=int, default=20_000, help="engine requests per run (a fan-out counts K)")
     p.add_argument("--ws-over-kv", type=_floats, default=[2.0],
-                   help="live working set / fleet KV capacity (2 = caches hold half of it), e.g. 0.5,1,2")
+                   help="live working set / fleet KV capacity (2 = caches hold half of it), e.g. 0.5,1,2; a replica "
+                        "never gets less than two of the largest requests, so the table shows the ratio as sized")
     p.add_argument("--update-every", type=int, default=4, help="trainer steps between weight updates (0: none)")
     p.add_argument("--weight-policy", default="keep+salt", choices=["flush", "keep", "salt", "keep+salt"],
                    help="version policy of the mixed workload (updates runs all four)")

@@ -11,7 +11,7 @@ from rich.table import Table
 
 COLUMNS = (
     ("N", "scale", "{}"), ("workload", "workload", "{}"), ("ver.", "weight_policy", "{}"),
-    ("ws/kv", "ws_over_kv", "{:g}"), ("policy", "policy", "{}"), ("requests", "requests", "{:,}"),
+    ("ws/kv", "ws_over_kv_actual", "{:.2f}"), ("policy", "policy", "{}"), ("requests", "requests", "{:,}"),
     ("prefilled/ideal", "prefilled_over_ideal", "{:.3f}"), ("hit rate", "hit_rate", "{:.3f}"),
     ("busiest/mean req", "busiest_over_mean_requests", "{:.2f}"),
     ("busiest/mean prefill", "busiest_over_mean_prefill", "{:.2f}"),

@@ -80,6 +80,12 @@ def make_runs(scales: list[int], workloads: list[str], policies: list[str], ws_r
     return runs
 
 
+def _actual_ratio(cfg: FleetConfig) -> float:
+    """Working set / fleet KV capacity as sized (above the request if the per-replica floor won)."""
+    ws = cfg.workload.working_set_tokens(cfg.replicas, set(cfg.kinds))
+    return ws / (cfg.engine.num_blocks * cfg.replicas * cfg.engine.block_size)
+
+
 def execute(run: Run, progress: Callable[[int], None] | None = None) -> tuple[dict, Fleet]:
     """Run it; return the summary row (with the run's identity) and the finished fleet."""
     router = ROUTERS[run.policy](run.cfg.weight_policy)
@@ -88,6 +94,7 @@ def execute(run: Run, progress: Callable[[int], None] | None = None) -> tuple[di
     row = {"scale": run.cfg.replicas, "workload": run.workload, "policy": run.policy,
            "weight_policy": run.cfg.weight_policy if run.cfg.update_every else None,
            "ws_over_kv": run.ws_over_kv, "blocks_per_replica": run.cfg.engine.num_blocks,
+           "ws_over_kv_actual": _actual_ratio(run.cfg),
            "updates": len(rec.updates), **rec.summary(fleet.clients.group_times)}
     return row, fleet
 
