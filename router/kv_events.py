@@ -22,7 +22,6 @@ publisher still buffers. Any exception from a peer ends in a log line and a reco
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -37,6 +36,9 @@ from cache_policy.kv_events import KvEventApplier
 from cache_policy.types import ReplicaId
 from replicas.kv_events import KvEventSource as EventSource
 from router.kv_events_wire import END_SEQ, decode_batch, decode_seq
+
+CLOSE_TIMEOUT_S = 2.0
+"""How long ``close`` waits for the subscriptions to end before closing the ZMQ context under them."""
 
 log = logging.getLogger(__name__)
 
@@ -123,9 +125,8 @@ class KvEventSubscriber:
         self._tasks.clear()
         for t in tasks:
             t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        if tasks:
+            await asyncio.wait(tasks, timeout=CLOSE_TIMEOUT_S)  # bounded: a stuck peer never holds shutdown
         self._ctx.destroy(linger=0)
 
     async def _run(self, rid: ReplicaId, source: EventSource) -> None:
@@ -149,9 +150,10 @@ class KvEventSubscriber:
                 sock.close(linger=0)
 
     async def _receive(self, rid: ReplicaId, source: EventSource, sock, logged: set[str]) -> None:
-        try:
-            frames = await asyncio.wait_for(sock.recv_multipart(), self.recv_timeout_s)
-        except asyncio.TimeoutError:
+        try:  # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancel that races a message
+            async with asyncio.timeout(self.recv_timeout_s):
+                frames = await sock.recv_multipart()
+        except TimeoutError:
             self.applier.index.expire(self.clock())  # keep the predictions' clock moving
             return
         stats = self.stats(rid)
@@ -211,7 +213,8 @@ class KvEventSubscriber:
             sock.connect(source.replay_endpoint)
             await sock.send_multipart([b"", start.to_bytes(8, "big")])
             while True:
-                frames = await asyncio.wait_for(sock.recv_multipart(), self.replay_timeout_s)
+                async with asyncio.timeout(self.replay_timeout_s):
+                    frames = await sock.recv_multipart()
                 if len(frames) != 4:
                     continue
                 seq = decode_seq(frames[2])
