@@ -27,6 +27,7 @@ import random
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
+from cache_policy import sharing
 from cache_policy.admission import blocks_needed
 from cache_policy.affinity import PrefixAffinityPolicy
 from cache_policy.prefix_index import PrefixIndex
@@ -226,9 +227,18 @@ class DecisionCore:
         else:
             self.versions.rotation[rid] = reason
 
-    def adopt_pin(self, kind: str, key: str | None, rid: ReplicaId) -> None:
-        """Another router pinned ``key`` to ``rid`` (shared state): follow it if ``rid`` is ours."""
-        if key is None or rid not in self.replicas or kind not in ("session", "group"):
+    def adopt_pin(self, kind: str, key: str | None, rid: ReplicaId | None,
+                  start_version: int | None = None, now: float | None = None) -> None:
+        """Another router pinned ``key`` to ``rid`` (shared state): follow it if ``rid`` is ours.
+        ``start_version``: the version ``key`` started under there (keep+salt keeps it here too);
+        ``now``: the caller's clock (the adopted record counts as touched then)."""
+        if key is None or kind not in ("session", "group"):
+            return
+        if now is not None:
+            self.registry.advance(now)
+        if start_version is not None:
+            self.registry.touch(kind, key).start_version = start_version  # type: ignore[arg-type]
+        if rid is None or rid not in self.replicas:
             return
         rec = self.registry.get(kind, key)  # type: ignore[arg-type]
         if rec is None or rec.replica != rid:
@@ -237,6 +247,58 @@ class DecisionCore:
     def end_session(self, session_id: str) -> None:
         """The client ended ``session_id``: its pin and parked prefix are released at once."""
         self.registry.end("session", session_id)
+
+    # -- sharing with other routers (cache_policy.sharing; router.state carries it out) ---------
+
+    def versions_snapshot(self) -> dict:
+        """Versions, policy and update rotation as JSON (``cache_policy.sharing.versions_snapshot``)."""
+        return sharing.versions_snapshot(self.versions)
+
+    def apply_versions(self, snapshot: dict) -> list[ReplicaId]:
+        """Adopt another router's version snapshot; the replicas whose loaded version changed.
+        Placements waiting on rotation should be woken by the caller. ValueError if malformed."""
+        return sharing.apply_versions(self.versions, snapshot, list(self.replicas))
+
+    def unconfirm_versions(self) -> None:
+        """Versions could not be confirmed (shared state unreachable at start): salt nothing
+        with a guess until ``apply_versions`` (``cache_policy.sharing.unconfirmed``)."""
+        sharing.unconfirmed(self.versions)
+
+    def set_peer_loads(self, loads: dict[ReplicaId, sharing.PeerLoad]) -> None:
+        """Other routers' in-flight shares per replica (replacing the last ones); admission and
+        placement count them beside this router's own."""
+        self.admission.ledger.peers = {rid: load for rid, load in loads.items() if rid in self.replicas}
+
+    def own_loads(self) -> dict[ReplicaId, sharing.PeerLoad]:
+        """This router's in-flight share per replica, as other routers fold it in."""
+        ledger = self.admission.ledger
+        return {rid: sharing.PeerLoad(ledger.count(rid), ledger.committed(rid), ledger.unseen(rid))
+                for rid in self.replicas}
+
+    def pins(self) -> list[tuple[str, str, ReplicaId, int | None]]:
+        """Every pin: ``(kind, key, replica, start_version)`` (to re-publish to shared state)."""
+        return self.registry.pins()
+
+    def follow_pin(self, job: Job, rid: ReplicaId, now: float) -> Decision | None:
+        """Another router won the pin of ``job``'s session or group (first writer wins): move the
+        placed, not yet admitted ``job`` there, pins included. Returns the new decision, or None
+        when ``rid`` cannot take it (unknown, unhealthy, out of rotation, not serving the job's
+        version, already tried): the job then keeps its own placement."""
+        assert job.decision is not None and job.admission is None, "bug: follow_pin() needs a placed, unadmitted job"
+        if rid == job.replica_id:
+            return job.decision
+        if rid not in {v.replica_id for v in self._candidates(job) if v.healthy}:
+            return None
+        self.policy.on_finished(job.view, job.decision.replica_id)
+        self._undo(job)
+        job.decision = None
+        for kind, key in (("session", job.spec.session_id), ("group", job.spec.group_id)):
+            if key is not None:
+                self.registry.record(kind, key, rid)  # type: ignore[arg-type]
+        decision = self.place(job, now, only=rid)
+        if decision is None:  # cannot happen for an eligible replica; never leave the job unplaced
+            self.place(job, now)
+        return decision
 
     # -- the request lifecycle ------------------------------------------------------------------
 
@@ -259,12 +321,14 @@ class DecisionCore:
         self._next_id += 1
         return Job(self._next_id, spec, choice, view)
 
-    def place(self, job: Job, now: float) -> Decision | None:
+    def place(self, job: Job, now: float, *, only: ReplicaId | None = None) -> Decision | None:
         """Choose a replica for ``job`` and record it; None when no replica is eligible now
-        (all unhealthy, out of rotation, or already tried by this job)."""
+        (all unhealthy, out of rotation, or already tried by this job). ``only``: consider
+        that replica alone (``follow_pin``)."""
         assert job.decision is None and not job.done, "bug: place() on a placed or finished job"
         self.registry.advance(now)
-        decision = self.policy.select(job.view, self._candidates(job))
+        candidates = [v for v in self._candidates(job) if only is None or v.replica_id == only]
+        decision = self.policy.select(job.view, candidates)
         if decision is None:
             return None
         job.undo_pins = self._pins_before(job)
@@ -360,6 +424,13 @@ class DecisionCore:
             if outcome == "down" or rec.failures >= self.cfg.failures_out_of_rotation:
                 self.set_health(rid, False)
 
+    def refuse_queued(self, reason: str, now: float) -> None:
+        """Refuse every queued job (``reject`` with ``reason``, e.g. the router is shutting down);
+        ``pump`` returns them."""
+        for request in list(self.admission.queue.waiting()):
+            self.admission.queue.remove(request)
+            self._refuse(self._jobs.pop(request.request_id), reason, now)
+
     # -- reading the state ----------------------------------------------------------------------
 
     def replica_view(self, rid: ReplicaId) -> ReplicaView:
@@ -398,7 +469,8 @@ class DecisionCore:
         return self.replicas[rid].view(self.versions.loaded.get(rid))
 
     def _view(self, rid: ReplicaId) -> ReplicaView:
-        return replace(self._raw_view(rid), in_flight=self.admission.ledger.count(rid))
+        ledger = self.admission.ledger
+        return replace(self._raw_view(rid), in_flight=ledger.count(rid) + ledger.peer(rid).requests)
 
     def _candidates(self, job: Job) -> list[ReplicaView]:
         healthy = [rid for rid, rec in self.replicas.items() if rec.healthy]

@@ -9,6 +9,7 @@ cache (`vllm/entrypoints/utils.py` ``with_cancellation`` / the streaming generat
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from dataclasses import dataclass
@@ -132,6 +133,7 @@ async def relay_stream(client: web.Request, http: aiohttp.ClientSession, url: st
     Raises ReplicaUnreachable when the replica cannot be reached before the first byte.
     """
     up = await _send(http, url, body)
+    resp: web.StreamResponse | None = None
     try:
         if up.status != 200:
             return upstream_result(up.status, await up.read())
@@ -156,6 +158,10 @@ async def relay_stream(client: web.Request, http: aiohttp.ClientSession, url: st
         return resp
     except asyncio.CancelledError:
         up.close()  # client went away: drop the upstream connection so vLLM aborts the request
+        if resp is not None and resp.prepared:  # or the router is stopping: end the stream properly
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(1.0):
+                    await _end_with_error(resp, "the router stopped while streaming; retry the request")
         raise
     finally:
         up.release()

@@ -168,3 +168,15 @@ def test_a_cancelled_big_request_no_longer_holds_back_a_small_one(fake_clock):
     core.finish(big, "cancelled", fake_clock.now())
     small, adm = ask(core, fake_clock, 5)
     assert adm.verdict == "admit"
+
+
+def test_a_stopping_router_refuses_every_queued_job_at_once(fake_clock):
+    core = make()
+    held, _ = ask(core, fake_clock, 80)
+    queued = [ask(core, fake_clock, 10)[0] for _ in range(3)]
+    core.refuse_queued("shutdown", fake_clock.now())
+    refused = core.pump(fake_clock.now())
+    assert [j for j, _ in refused] == queued and {a.reason for _, a in refused} == {"shutdown"}
+    assert core.queue_length() == 0 and all(j.done for j in queued)
+    core.finish(held, "ok", fake_clock.now())
+    core.check_integrity()
