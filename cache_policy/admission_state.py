@@ -42,16 +42,19 @@ class Admission:
 
 
 def project(view: ReplicaView, ledger: KvLedger, registry: KeyRegistry) -> ReplicaView:
-    """``view`` as admission sees it: the router's in-flight count, and as ``kv_cache_usage``
-    the projected usage ``(max(scraped * blocks + unseen, committed) + parked) / blocks``.
+    """``view`` as admission sees it: the in-flight count, and as ``kv_cache_usage`` the
+    projected usage ``(max(scraped * blocks + unseen, committed) + parked) / blocks``.
 
+    With several routers (``ledger.peers``) the in-flight count, ``unseen`` and ``committed``
+    include the other routers' shares, so N routers together respect the watermark.
     A replica of unknown size (``num_gpu_blocks == 0``) keeps its scraped usage.
     """
     rid, cap = view.replica_id, view.num_gpu_blocks
-    count = ledger.count(rid)
+    peer = ledger.peer(rid)
+    count = ledger.count(rid) + peer.requests
     if not cap:
         return replace(view, in_flight=count)
-    running = max(view.kv_cache_usage * cap + ledger.unseen(rid), ledger.committed(rid))
+    running = max(view.kv_cache_usage * cap + ledger.unseen(rid) + peer.unseen, ledger.committed(rid) + peer.committed)
     return replace(view, in_flight=count, kv_cache_usage=(running + registry.parked_blocks(rid)) / cap)
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cache_policy.admission_queue import Priority
+from cache_policy.sharing import PeerLoad
 from cache_policy.types import ReplicaId
 
 
@@ -44,6 +45,9 @@ class Ticket:
     requests: int = 1
 
 
+_NO_PEER = PeerLoad()
+
+
 class KvLedger:
     """Per replica: tickets in flight (committed blocks).
 
@@ -55,6 +59,8 @@ class KvLedger:
         self._in_flight: dict[ReplicaId, dict[int, Ticket]] = {}
         self._requests: dict[ReplicaId, int] = {}
         self.scraped_at: dict[ReplicaId, float] = {}
+        self.peers: dict[ReplicaId, PeerLoad] = {}
+        """Other routers' shares per replica (``cache_policy.sharing``; empty with one router)."""
 
     def admit(self, ticket: Ticket) -> None:
         """Count ``ticket`` against its replica."""
@@ -81,9 +87,14 @@ class KvLedger:
         since = self.scraped_at.get(rid, float("-inf"))
         return sum(t.blocks for t in self._in_flight.get(rid, {}).values() if t.admitted_at > since)
 
+    def peer(self, rid: ReplicaId) -> PeerLoad:
+        """Other routers' share on ``rid`` (zero when none)."""
+        return self.peers.get(rid, _NO_PEER)
+
     def forget_replica(self, rid: ReplicaId) -> None:
         """``rid`` left: its tickets are released by their requests, its scrape time goes."""
         self.scraped_at.pop(rid, None)
+        self.peers.pop(rid, None)
 
     def check_integrity(self) -> None:
         """Raise ``RuntimeError('bug: ...')`` if the request counts disagree with the tickets."""

@@ -123,6 +123,11 @@ class KeyRegistry:
         if rec is not None and rec.replica == replica:
             rec.replica, rec.own_in_flight = None, 0
 
+    def pins(self) -> list[tuple[KeyKind, str, ReplicaId, int | None]]:
+        """Every pinned key: ``(kind, key, replica, start_version)``."""
+        return [(kind, key, r.replica, r.start_version) for (kind, key), r in self._records.items()
+                if r.replica is not None]
+
     def replicas(self) -> set[ReplicaId]:
         """Replicas that hold at least one pin."""
         return {r.replica for r in self._records.values() if r.replica is not None}

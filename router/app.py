@@ -23,7 +23,8 @@ from router.lifecycle import Lifecycle
 from router.metrics import RouterMetrics, metrics_middleware
 from router.pool import ReplicaPool
 from router.scrape import scrape_once
-from router.shared_state import make_state
+from router.state import make_state
+from router.state.sync import state_sync_ctx
 from router.tokenize import PromptTokenizer
 
 
@@ -52,7 +53,7 @@ def create_app(cfg: AppConfig, endpoints: Sequence[ReplicaEndpoint], tokenizer: 
     app[keys.METRICS] = metrics
     app[keys.TOKENIZER] = tokenizer
     app[keys.CORE] = make_core(cfg, endpoints)
-    app.cleanup_ctx.extend([_http_session, _scraper, kv_events_ctx])
+    app.cleanup_ctx.extend([_http_session, _scraper, kv_events_ctx, state_sync_ctx])
     app.router.add_post("/v1/completions", handlers.completions)
     app.router.add_post("/v1/chat/completions", handlers.chat_completions)
     app.router.add_post("/v1/score", score.score)
@@ -76,8 +77,7 @@ async def _http_session(app: web.Application) -> AsyncIterator[None]:
     # vLLM's server closes idle keep-alive connections after 5 s: drop ours sooner, so a
     # pooled connection is never reused just as the server closes it.
     connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=3)
-    state = make_state(cfg.router.state, cfg.router.redis_url)
-    await state.register(list(endpoints_of(app)))
+    state = make_state(cfg.router.state, cfg.router.redis_url, cfg.router)
     # PROCESS_KEYS: each replica's key on every call to it (replicas.auth; replicas refuse calls without it)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector, middlewares=(PROCESS_KEYS,)) as http:
         app[keys.HTTP] = http

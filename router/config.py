@@ -62,7 +62,20 @@ class RouterConfig:
     state: StateKind = "memory"
     """Where session/group pins and the replica registry live: this process, or Redis shared by routers."""
     redis_url: str | None = None
-    """Redis URL when state is 'redis'."""
+    """Redis URL when state is 'redis' (every router of one fleet names the same one)."""
+    redis_timeout_s: float = 0.075
+    """Deadline of every Redis call, in seconds: a Redis that is down or hung costs a request at
+    most this (then the router decides from its own state)."""
+    redis_breaker_failures: int = 3
+    """Consecutive failed Redis calls that open the circuit breaker (calls then fail at once)."""
+    redis_breaker_reset_s: float = 1.0
+    """Seconds the breaker stays open before one call probes Redis again."""
+    redis_pin_ttl_s: int = 3600
+    """Seconds a shared session/group pin lives in Redis after its last use."""
+    redis_prefix: str = "rollout-router:"
+    """Prefix of every Redis key (routers of one fleet share it; another fleet picks another)."""
+    state_sync_interval_s: float = 0.25
+    """Seconds between shared-state sync rounds (heartbeat, in-flight shares, versions, registry)."""
     tokenizer: str | None = None
     """Tokenizer path for text prompts; default: the replicas' model."""
     kv_events: bool = True
@@ -135,6 +148,11 @@ class RouterConfig:
         _check(self.connect_retries >= 0, "connect_retries", "must be >= 0")
         _check(self.state != "redis" or bool(self.redis_url), "redis_url",
                "must be set when router.state is 'redis'")
+        _check(0 < self.redis_timeout_s <= 5, "redis_timeout_s", "must be in (0, 5] seconds")
+        _check(self.redis_breaker_failures >= 1, "redis_breaker_failures", "must be >= 1")
+        _check(self.redis_breaker_reset_s > 0, "redis_breaker_reset_s", "must be > 0")
+        _check(self.redis_pin_ttl_s >= 1, "redis_pin_ttl_s", "must be >= 1")
+        _check(self.state_sync_interval_s > 0, "state_sync_interval_s", "must be > 0")
         _check(self.admission_default_max_tokens >= 1, "admission_default_max_tokens", "must be >= 1")
         _check(self.initial_weight_version is None or self.initial_weight_version >= 0,
                "initial_weight_version", "must be >= 0 or None")

@@ -72,11 +72,14 @@ class Lifecycle:
 
         Raises NoReplica (503), Overloaded (429), UpstreamError (502) or the attempt's own errors.
         """
+        # shared state (router.state): versions confirmed and the request's pins adopted before
+        # open chooses its salt; after placing, its pins are claimed (first writer wins)
+        seen = await self.shared.before_open(self.core, spec) if self.shared is not None else None
         job = self.core.open(spec, self.clock())
         outcome: Outcome = "failed"
         try:
             while True:
-                await self._place(job)
+                await self._place(job, seen)
                 if not await self._admit(job):
                     continue  # its replica left while it waited: place it again
                 self._dispatched(job)
@@ -101,17 +104,16 @@ class Lifecycle:
 
     # -- decide --------------------------------------------------------------------------------
 
-    async def _place(self, job: Job) -> None:
-        """Place ``job``, waiting (up to ``queue_timeout_s``) while a weight update holds replicas."""
+    async def _place(self, job: Job, seen: Any = None) -> None:
+        """Place ``job``, waiting (up to ``queue_timeout_s``) while a weight update holds replicas;
+        with shared state, move it to another router's winning pin before it is admitted."""
         deadline = self.clock() + self.queue_timeout_s
-        if self.shared is not None:
-            await self.shared.adopt_pins(self.core, job)
         while True:
             decision = self.core.place(job, self.clock())
             if decision is not None:
                 self.metrics.decisions.labels(self.core.policy.name, decision.reason.value).inc()
                 if self.shared is not None:
-                    await self.shared.publish_pins(job)
+                    await self.shared.after_place(self.core, job, seen, self.clock())
                 return
             left = deadline - self.clock()
             if not self.core.versions.updating() or left <= 0:

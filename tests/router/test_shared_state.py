@@ -1,56 +1,154 @@
-"""RedisState against a real redis-server: pins, versions and the registry round-trip."""
+"""router.state against a real redis-server: pins (first writer wins), versions, the update
+lock, load shares. Each "router" here is a RedisState with its own DecisionCore and pool, the
+way ``router.app`` wires them, without HTTP (the HTTP paths are in test_ha_*.py)."""
 
 from __future__ import annotations
 
-import pytest
+import asyncio
+import itertools
 
-from cache_policy.types import BlockHash, ReplicaId, RequestView
+import pytest
+from aiohttp import web
+
+from cache_policy.config import PolicyConfig
+from cache_policy.core import DecisionCore, ReplicaLoad, RequestSpec
+from cache_policy.salts import cache_salt_for_version
+from cache_policy.types import ReplicaId
 from replicas.replica_set import ReplicaEndpoint
-from router.shared_state import MemoryState, RedisState, make_state
+from router import keys
+from router.pool import ReplicaPool
+from router.state import MemoryState, RedisState, make_state
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
-
-def _view(session=None, group=None):
-    return RequestView((BlockHash(1),), 40, session_id=session, group_id=group)
-
-
-async def test_pins_round_trip_and_are_per_key(redis_url):
-    a, b = RedisState(redis_url, prefix="t1:"), RedisState(redis_url, prefix="t1:")
-    try:
-        assert await b.pull_pins(_view("s1", "g1")) == {}
-        await a.push_pins(_view("s1", "g1"), ReplicaId("replica-1"))
-        assert await b.pull_pins(_view("s1", "g1")) == {"session": "replica-1", "group": "replica-1"}
-        assert await b.pull_pins(_view("s2")) == {}
-        assert await b.pull_pins(_view()) == {}
-    finally:
-        await a.close()
-        await b.close()
+R0, R1 = ReplicaId("replica-0"), ReplicaId("replica-1")
+_prefix = itertools.count()
 
 
-async def test_versions_and_registry(redis_url):
-    state = RedisState(redis_url, prefix="t2:")
-    try:
-        await state.set_loaded_version(ReplicaId("replica-0"), 3)
-        await state.set_loaded_version(ReplicaId("replica-1"), 4)
-        assert await state.loaded_versions() == {"replica-0": 3, "replica-1": 4}
-        ep = ReplicaEndpoint(ReplicaId("replica-0"), "http://127.0.0.1:1", 32, 100, "m", True)
-        await state.register([ep])
-        assert (await state.registered())["replica-0"]["base_url"] == "http://127.0.0.1:1"
-    finally:
-        await state.close()
+def endpoints(*urls: str) -> list[ReplicaEndpoint]:
+    return [ReplicaEndpoint(ReplicaId(f"replica-{i}"), url, 32, 100, "m") for i, url in enumerate(urls)]
 
 
-async def test_pin_expires_after_ttl(redis_url):
-    import asyncio
+class Router:
+    """One router's state: a core, a pool and a RedisState, in a bare app."""
 
-    state = RedisState(redis_url, prefix="t3:", pin_ttl_s=1)
-    try:
-        await state.push_pins(_view("s"), ReplicaId("replica-0"))
-        await asyncio.sleep(2.1)
-        assert await state.pull_pins(_view("s")) == {}
-    finally:
-        await state.close()
+    def __init__(self, url: str, prefix: str, eps=None) -> None:
+        eps = eps or endpoints("http://127.0.0.1:1", "http://127.0.0.1:2")
+        self.core = DecisionCore(PolicyConfig(queue_timeout_s=5.0))
+        for ep in eps:
+            self.core.add_replica(ep.replica_id, block_size=32, num_gpu_blocks=100)
+        self.app = web.Application()
+        self.app[keys.CORE], self.app[keys.POOL] = self.core, ReplicaPool(eps)
+        self.state = RedisState(url, prefix=prefix, timeout_s=0.1, sync_interval_s=0.1)
+        self.state.app = self.app
+
+    async def route(self, spec: RequestSpec, now: float = 0.0):
+        seen = await self.state.before_open(self.core, spec)
+        job = self.core.open(spec, now)
+        assert self.core.place(job, now) is not None
+        await self.state.after_place(self.core, job, seen, now)
+        return job
+
+
+def prefix() -> str:
+    return f"t{next(_prefix)}:"
+
+
+async def test_the_first_writer_wins_and_a_router_that_lost_follows_before_dispatch(redis_url):
+    p = prefix()
+    a, b = Router(redis_url, p), Router(redis_url, p)
+    spec = RequestSpec(list(range(64)), group_id="g")
+    job_a = a.core.open(spec, 0.0)
+    a.core.place(job_a, 0.0)
+    won = job_a.replica_id
+    b.core.observe_load(won, ReplicaLoad(num_waiting=50), 0.0)  # B alone would choose the other one
+    seen_b = await b.state.before_open(b.core, spec)
+    job_b = b.core.open(spec, 0.0)
+    b.core.place(job_b, 0.0)
+    assert job_b.replica_id != won
+    await a.state.after_place(a.core, job_a, await a.state.before_open(a.core, spec), 0.0)
+    await b.state.after_place(b.core, job_b, seen_b, 0.0)
+    assert job_b.replica_id == won and b.core.registry.get("group", "g").replica == won
+    assert b.state.pins.moved == 1
+    assert await b.state.redis.call(lambda c: c.get(p + "pin:group:g")) == f"{won}|0"
+
+
+async def test_twenty_groups_claimed_at_once_by_three_routers_each_land_on_one_replica(redis_url):
+    p = prefix()
+    routers = [Router(redis_url, p) for _ in range(3)]
+    for i, r in enumerate(routers):  # each router would place on a different replica by itself
+        r.core.observe_load([R0, R1][i % 2], ReplicaLoad(num_waiting=50), 0.0)
+    for g in range(20):
+        spec = RequestSpec(list(range(64)), group_id=f"g{g}")
+        jobs = await asyncio.gather(*(r.route(spec) for r in routers for _ in range(5)))
+        assert len({j.replica_id for j in jobs}) == 1, (g, [j.replica_id for j in jobs])
+
+
+async def test_a_deliberate_move_replaces_the_pin_it_read(redis_url):
+    p = prefix()
+    a, b = Router(redis_url, p), Router(redis_url, p)
+    first = await a.route(RequestSpec(list(range(64)), session_id="s"))
+    a.core.finish(first, "ok", 0.0)
+    b.core.set_health(first.replica_id, False)  # B sees the pinned replica down: the session moves
+    moved = await b.route(RequestSpec(list(range(96)), session_id="s"), 1.0)
+    assert moved.replica_id != first.replica_id and moved.decision.reason.value == "repin"
+    assert (await a.state.redis.call(lambda c: c.get(p + "pin:session:s"))).startswith(moved.replica_id + "|")
+    again = await a.route(RequestSpec(list(range(128)), session_id="s"), 2.0)
+    assert again.replica_id == moved.replica_id  # A follows the moved pin at its next turn
+
+
+async def test_an_update_published_by_one_router_is_applied_by_another_before_it_salts(redis_url):
+    p = prefix()
+    a, b = Router(redis_url, p), Router(redis_url, p)
+    old = await b.route(RequestSpec(list(range(64)), session_id="old"))
+    b.core.finish(old, "ok", 0.0)
+    a.core.version_loaded(R0, 4)
+    a.core.version_loaded(R1, 4)
+    a.core.finish_update(4, "keep+salt")
+    assert await a.state.publish_versions(a.core)
+    new_on_b = await b.route(RequestSpec(list(range(64)), session_id="new"), 1.0)
+    old_on_a = await a.route(RequestSpec(list(range(96)), session_id="old"), 1.0)
+    assert new_on_b.salt == cache_salt_for_version(4) and b.core.versions.loaded == {R0: 4, R1: 4}
+    assert old_on_a.salt == cache_salt_for_version(0)  # keep+salt: the start version B recorded
+
+
+async def test_the_update_lock_is_one_across_routers_and_only_its_owner_releases_it(redis_url):
+    p = prefix()
+    a, b = Router(redis_url, p), Router(redis_url, p)
+    assert await a.state.acquire_update_lock("a:1", 5.0)
+    assert not await b.state.acquire_update_lock("b:1", 5.0)
+    assert await b.state.update_lock_holder() == "a:1"
+    await b.state.release_update_lock("b:1")
+    assert await b.state.update_lock_holder() == "a:1" and not await b.state.refresh_update_lock("b:1", 5)
+    assert await a.state.refresh_update_lock("a:1", 0.2)
+    await asyncio.sleep(0.35)
+    assert await b.state.acquire_update_lock("b:1", 5.0)
+    await b.state.release_update_lock("b:1")
+    assert await a.state.update_lock_holder() is None
+
+
+async def test_the_memory_state_has_the_same_lock():
+    state = MemoryState()
+    assert await state.acquire_update_lock("x", 0.1) and not await state.acquire_update_lock("y", 5)
+    await asyncio.sleep(0.15)
+    assert await state.acquire_update_lock("y", 5) and await state.update_lock_holder() == "y"
+    assert await state.publish_versions(None) is True
+
+
+async def test_load_shares_of_live_routers_fold_into_each_core_and_a_dead_ones_expire(redis_url):
+    p = prefix()
+    a, b = Router(redis_url, p), Router(redis_url, p)
+    for r in (a, b):
+        await r.state.sync_round()
+    job = await a.route(RequestSpec(list(range(32 * 10))))
+    a.core.admit(job, 0.0)
+    await a.state.sync_round()
+    await b.state.sync_round()
+    assert b.core.admission.ledger.peer(job.replica_id).requests == 1
+    assert b.core.admission.ledger.peer(job.replica_id).committed == a.core.admission.ledger.committed(job.replica_id) > 0
+    await asyncio.sleep(a.state.peers.ttl_s + 0.1)  # A stops beating (died)
+    await b.state.sync_round()
+    assert b.core.admission.ledger.peer(job.replica_id).requests == 0
 
 
 async def test_make_state_validates():
@@ -59,29 +157,3 @@ async def test_make_state_validates():
         make_state("redis", None)
     with pytest.raises(ValueError, match="router.state"):
         make_state("disk", None)
-
-
-@pytest.mark.vllm
-async def test_two_routers_sharing_redis_keep_sessions_on_one_replica(redis_url, replica_set):
-    """Turn 1 through router A, turn 2 through router B: B follows A's pin via Redis."""
-    import aiohttp
-
-    from router.config import AppConfig
-    from router.server import running_router
-    from tests.router.conftest import unique_prompt
-
-    cfg = AppConfig().replace(router={"port": 0, "scrape_interval_s": 0, "state": "redis",
-                                      "redis_url": redis_url})
-    async with running_router(cfg, replica_set.endpoints) as (url_a, _), \
-            running_router(cfg, replica_set.endpoints) as (url_b, _), aiohttp.ClientSession() as http:
-        for s in range(6):
-            served = []
-            for url in (url_a, url_b):
-                headers = {"X-Session-Id": f"shared-{s}"}
-                body = {"prompt": unique_prompt(900 + s, 64), "max_tokens": 1}
-                async with http.post(url + "/v1/completions", json=body, headers=headers) as r:
-                    assert r.status == 200
-                    served.append(r.headers["X-Rollout-Replica"])
-                    reason = r.headers["X-Rollout-Route-Reason"]
-            assert served[0] == served[1], (s, served)
-            assert reason == "session"

@@ -1,0 +1,118 @@
+"""What several routers share about decisions, as plain values (DESIGN rule 7, issue 13).
+
+Pure: the router's state layer (``router.state``) moves these values through Redis; the core
+turns them into its own state. Three kinds:
+
+* **Version snapshots** (:func:`versions_snapshot` / :func:`apply_versions`): the current
+  version and policy, the versions loaded so far, the version each replica serves, and the
+  replicas an update holds out of rotation. Written by the router that runs an update, applied
+  by every other router before it opens new work, so no router salts new work with a version
+  the replicas no longer serve. Only *update* rotation reasons (``updating``, ``failed: ...``)
+  travel here; ``draining`` belongs to the replica registry.
+* **Peer loads** (:class:`PeerLoad`): the in-flight share other routers hold on each replica,
+  folded into the admission projection so N routers together respect the watermark.
+* **Pins with start versions** (``DecisionCore.pins`` / ``adopt_pin``): first writer wins.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from cache_policy.types import ReplicaId
+from cache_policy.versions import VersionBook, check_policy
+
+UPDATE_REASONS = ("updating", "failed")
+"""Rotation reasons owned by weight updates (shared with the version snapshot)."""
+
+
+def is_update_reason(reason: str | None) -> bool:
+    """Whether a rotation ``reason`` was set by a weight update (``updating``, ``failed: ...``)."""
+    return reason is not None and (reason == "updating" or reason.startswith("failed"))
+
+
+@dataclass(frozen=True)
+class PeerLoad:
+    """Other routers' admitted work on one replica, summed over routers.
+
+    ``requests``: engine requests in flight; ``committed``: KV blocks their tickets hold at
+    their peak; ``unseen``: of those, blocks admitted after each router's last scrape began
+    (not yet in the replica's usage metric). All >= 0.
+    """
+
+    requests: int = 0
+    committed: int = 0
+    unseen: int = 0
+
+    def __post_init__(self) -> None:
+        if min(self.requests, self.committed, self.unseen) < 0:
+            raise ValueError(f"peer load must be >= 0, got {self}")
+
+    def __add__(self, other: "PeerLoad") -> "PeerLoad":
+        return PeerLoad(self.requests + other.requests, self.committed + other.committed,
+                        self.unseen + other.unseen)
+
+    def as_list(self) -> list[int]:
+        """``[requests, committed, unseen]`` (the wire form)."""
+        return [self.requests, self.committed, self.unseen]
+
+
+def sum_peer_loads(shares: Iterable[dict[ReplicaId, PeerLoad]]) -> dict[ReplicaId, PeerLoad]:
+    """Per replica, the sum of several routers' shares."""
+    out: dict[ReplicaId, PeerLoad] = {}
+    for share in shares:
+        for rid, load in share.items():
+            out[rid] = out.get(rid, PeerLoad()) + load
+    return out
+
+
+def versions_snapshot(book: VersionBook) -> dict[str, Any]:
+    """``book`` as a JSON-able dict: ``current``, ``policy``, ``history``, ``loaded``
+    (replica -> version or None), ``rotation`` (update reasons only) and ``updating``."""
+    return {
+        "current": book.current, "policy": book.policy, "history": list(book.history),
+        "loaded": dict(book.loaded),
+        "rotation": {rid: r for rid, r in book.rotation.items() if is_update_reason(r)},
+        "updating": book.updating(),
+    }
+
+
+def apply_versions(book: VersionBook, snapshot: dict[str, Any], known: Iterable[ReplicaId]) -> list[ReplicaId]:
+    """Make ``book`` agree with ``snapshot`` for the ``known`` replicas; return the replicas
+    whose loaded version changed.
+
+    Replicas the snapshot does not name keep their state; a local ``draining`` (or other
+    non-update) rotation reason is kept. ValueError on a malformed snapshot (nothing changed).
+    """
+    policy, current = snapshot["policy"], snapshot["current"]
+    check_policy(policy)
+    history = sorted(int(v) for v in snapshot.get("history", []))
+    loaded = {ReplicaId(k): (None if v is None else int(v)) for k, v in snapshot["loaded"].items()}
+    rotation = {ReplicaId(k): str(v) for k, v in snapshot.get("rotation", {}).items()}
+    changed = []
+    book.policy, book.current = policy, None if current is None else int(current)
+    for version in history:
+        if version not in book.history:
+            book.history.append(version)
+    book.history.sort()
+    for rid in known:
+        if rid in loaded and book.loaded.get(rid, -1) != loaded[rid]:
+            book.set_loaded(rid, loaded[rid])
+            changed.append(rid)
+        local = book.rotation.get(rid)
+        if local is None or is_update_reason(local):
+            if rid in rotation:
+                book.rotation[rid] = rotation[rid]
+            else:
+                book.rotation.pop(rid, None)
+    return changed
+
+
+def unconfirmed(book: VersionBook) -> None:
+    """Forget what ``book`` believes about versions (a router that could not confirm them):
+    no current version, no known history, every replica's version unknown, so no request is
+    salted with a guess (a request's own ``weight_version`` still names its salt)."""
+    book.current = None
+    book.history.clear()  # a tagged request resolves to its own version, not to a stale one
+    for rid in list(book.loaded):
+        book.loaded[rid] = None

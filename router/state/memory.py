@@ -1,0 +1,65 @@
+"""``router.state: memory``: one router, its core is the whole truth; the same API as Redis."""
+
+from __future__ import annotations
+
+import time
+
+from cache_policy.core import DecisionCore, Job, RequestSpec
+from router.state.peers import new_router_id
+
+
+class MemoryState:
+    """The shared-state API (``router.state.redis_state.RedisState``) for a single router:
+    nothing to read or claim, versions need no publishing, the update lock is local."""
+
+    available = True
+
+    def __init__(self) -> None:
+        self.router_id = new_router_id()
+        self._lock: tuple[str, float] | None = None
+
+    async def before_open(self, core: DecisionCore, spec: RequestSpec) -> None:
+        return None
+
+    async def after_place(self, core: DecisionCore, job: Job, seen: None, now: float) -> None:
+        return None
+
+    def _holder(self) -> str | None:
+        if self._lock is not None and self._lock[1] <= time.monotonic():
+            self._lock = None
+        return self._lock[0] if self._lock is not None else None
+
+    async def acquire_update_lock(self, owner: str, ttl_s: float) -> bool:
+        """True when ``owner`` now holds the in-process update lock for ``ttl_s`` seconds."""
+        if self._holder() is not None:
+            return False
+        self._lock = (owner, time.monotonic() + ttl_s)
+        return True
+
+    async def refresh_update_lock(self, owner: str, ttl_s: float) -> bool:
+        if self._holder() != owner:
+            return False
+        self._lock = (owner, time.monotonic() + ttl_s)
+        return True
+
+    async def release_update_lock(self, owner: str) -> None:
+        if self._holder() == owner:
+            self._lock = None
+
+    async def update_lock_holder(self) -> str | None:
+        return self._holder()
+
+    async def publish_versions(self, core: DecisionCore) -> bool:
+        return True
+
+    async def start(self, app, core: DecisionCore) -> None:
+        return None
+
+    async def run(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+    def describe(self) -> dict:
+        return {"kind": "memory", "router": self.router_id, "available": True}

@@ -1,0 +1,226 @@
+"""``router.state: redis``: what several routers share, and how each keeps serving without it.
+
+Request path (``router.lifecycle``): :meth:`before_open` (one MGET: version epoch + pins, then
+a newer version snapshot if any) and :meth:`after_place` (the pin claim). Background
+(:meth:`run`, a cleanup context of the app): every ``router.state_sync_interval_s`` one sync
+round (heartbeat, view, load shares, versions, replica registry, reconcile) and a pub/sub
+listener (pins, versions and registry entries other routers write, applied at once).
+Every call has ``router.redis_timeout_s``; failures open a breaker (``redis_client``), and the
+router then decides from its own core alone. See README "Several routers, one state".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from cache_policy.core import DecisionCore, Job, RequestSpec
+from router.state.peers import PeerSync, new_router_id, view_of
+from router.state.pins import PinSync, Seen
+from router.state.redis_client import GuardedRedis, StateUnavailable
+from router.state.registry import RegistrySync
+from router.state.versions import VersionSync
+from router.state.wire import Keys, parse_event
+
+log = logging.getLogger(__name__)
+
+
+class RedisState:
+    """Shared state in Redis for one router process (see the module docstring)."""
+
+    def __init__(self, url: str, *, prefix: str = "rollout-router:", timeout_s: float = 0.075,
+                 breaker_failures: int = 3, breaker_reset_s: float = 1.0, pin_ttl_s: int = 3600,
+                 sync_interval_s: float = 0.25, router_id: str | None = None) -> None:
+        self.router_id = router_id or new_router_id()
+        self.keys = Keys(prefix)
+        self.sync_interval_s = sync_interval_s
+        self.redis = GuardedRedis(url, timeout_s=timeout_s, failures=breaker_failures, reset_s=breaker_reset_s,
+                                  on_back=self._on_back)
+        self.background_timeout_s = max(0.5, 10 * timeout_s)
+        self.pins = PinSync(self.redis, self.keys, pin_ttl_s)
+        self.versions = VersionSync(self.redis, self.keys, self.router_id, self._changed)
+        self.registry = RegistrySync(self.redis, self.keys, self.router_id)
+        self.peers = PeerSync(self.redis, self.keys, self.router_id, max(1.0, 4 * sync_interval_s))
+        self.app = None
+        self.instance: str | None = None
+        self._reconcile = False
+        self.rounds = 0
+        self.restarts_seen = 0
+
+    @property
+    def available(self) -> bool:
+        """False while Redis is unreachable (breaker open)."""
+        return self.redis.available
+
+    # -- request path ----------------------------------------------------------------------------
+
+    async def before_open(self, core: DecisionCore, spec: RequestSpec) -> Seen:
+        """Before ``core.open``: confirm versions and adopt the request's pins. Never raises."""
+        seen, (epoch,) = await self.pins.read(core, spec, [self.keys.versions_epoch])
+        if seen.ok:
+            await self.versions.observe(core, epoch)
+        return seen
+
+    async def after_place(self, core: DecisionCore, job: Job, seen: Seen | None, now: float) -> None:
+        """After ``core.place``: claim the pins; follow another router's winning pin. Never raises."""
+        await self.pins.claim(core, job, seen, now)
+
+    # -- the weight updater's API (/work/helpers/STATE-API.md) -------------------------------------
+
+    async def acquire_update_lock(self, owner: str, ttl_s: float) -> bool:
+        """One update across all routers: see ``VersionSync.acquire_lock``."""
+        return await self.versions.acquire_lock(owner, ttl_s)
+
+    async def refresh_update_lock(self, owner: str, ttl_s: float) -> bool:
+        return await self.versions.refresh_lock(owner, ttl_s)
+
+    async def release_update_lock(self, owner: str) -> None:
+        await self.versions.release_lock(owner)
+
+    async def update_lock_holder(self) -> str | None:
+        return await self.versions.lock_holder()
+
+    async def publish_versions(self, core: DecisionCore) -> bool:
+        """Publish ``core``'s versions, policy and update rotation; False if Redis is unreachable."""
+        return await self.versions.publish(core)
+
+    # -- background --------------------------------------------------------------------------------
+
+    async def start(self, app, core: DecisionCore) -> None:
+        """Join: one sync round; if Redis cannot be reached, warn and run local (versions
+        unconfirmed: nothing is salted with a guess) and join when it answers."""
+        from router import keys
+
+        self.app = app
+        self.versions.seed = core.versions_snapshot()
+        await self.sync_round()
+        if not self.versions.confirmed:
+            if self.redis.available:
+                log.info("redis %s holds no versions yet; waiting for a router to publish", self.redis.url)
+            else:
+                log.warning("redis %s unreachable at start: serving from local state; joining when it answers",
+                            self.redis.url)
+            core.unconfirm_versions()
+        assert keys.CORE in app
+
+    async def run(self) -> None:
+        """Sync rounds and the pub/sub listener until cancelled; survives any error (logged once per cause)."""
+        listener = asyncio.create_task(self._listen())
+        seen: set[str] = set()
+        try:
+            while True:
+                await asyncio.sleep(self.sync_interval_s)
+                try:
+                    await self.sync_round()
+                except Exception as exc:  # noqa: BLE001 - the loop must outlive anything
+                    if repr(type(exc)) not in seen:
+                        seen.add(repr(type(exc)))
+                        log.exception("state sync round failed (logged once per cause): %r", exc)
+        finally:
+            listener.cancel()
+            await asyncio.gather(listener, return_exceptions=True)
+
+    async def sync_round(self) -> None:
+        """Heartbeat + shares, versions, registry, reconcile. Redis unreachable: shares go stale."""
+        from router import keys
+
+        core = self.app[keys.CORE]
+        t = self.background_timeout_s
+        try:
+            instance, epoch = await self.redis.call(lambda c: c.mget([self.keys.instance, self.keys.versions_epoch]),
+                                                    timeout_s=t)
+            restarted = await self._check_instance(instance)
+            others = await self.peers.beat(self.app, core, view_of(self.app, self.router_id, self.versions.applied,
+                                                                   self.versions.confirmed), t)
+            if epoch is None:
+                await self.versions.restore(core, bool(others))
+            elif int(epoch) > self.versions.applied:
+                await self.versions.fetch(core)
+            await self.registry.pull(self.app, t)
+            await self.registry.push(self.app, t)
+            if restarted or self._reconcile or self.pins.dirty:
+                await self.pins.republish(core, everything=restarted, timeout_s=4 * t)
+                self._reconcile = False
+            self.rounds += 1
+        except StateUnavailable:
+            self.peers.stale(core)
+
+    async def _check_instance(self, instance: str | None) -> bool:
+        """True when Redis lost our data (restarted empty or flushed) since the last round."""
+        if instance is not None and instance == self.instance:
+            return False
+        token = new_router_id()
+        await self.redis.call(lambda c: c.set(self.keys.instance, token, nx=True), timeout_s=self.background_timeout_s)
+        lost = self.instance is not None and instance != self.instance
+        self.instance = await self.redis.call(lambda c: c.get(self.keys.instance), timeout_s=self.background_timeout_s)
+        if lost:
+            self.restarts_seen += 1
+            log.warning("redis %s lost the shared state (restarted empty?): re-publishing what this router holds",
+                        self.redis.url)
+            self.registry.forget()
+        return lost
+
+    async def _listen(self) -> None:
+        """Apply what other routers publish on the ``events`` channel; reconnects after errors."""
+        from router import keys
+
+        logged: set[str] = set()
+        while True:
+            pubsub = self.redis.client.pubsub()
+            try:
+                async with asyncio.timeout(self.background_timeout_s):
+                    await pubsub.subscribe(self.keys.events)
+                while True:
+                    message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+                    if message is not None and self.app is not None:
+                        await self._on_message(self.app[keys.CORE], str(message["data"]))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - Redis down or hung: retry later
+                if repr(type(exc)) not in logged:
+                    logged.add(repr(type(exc)))
+                    log.info("state events listener: %r (retrying)", exc)
+                await asyncio.sleep(max(0.5, 2 * self.sync_interval_s))
+            finally:
+                try:
+                    async with asyncio.timeout(0.5):
+                        await pubsub.aclose()
+                except Exception:  # noqa: BLE001
+                    pass
+
+    async def _on_message(self, core: DecisionCore, data: str) -> None:
+        kind, fields = parse_event(data)
+        try:
+            if kind == "pin":
+                self.pins.on_event(core, fields)
+            elif kind == "versions" and fields and int(fields[0]) > self.versions.applied:
+                await self.versions.fetch(core)
+            elif kind == "replicas":
+                await self.registry.pull(self.app, self.background_timeout_s)
+        except StateUnavailable:
+            pass
+
+    def _on_back(self) -> None:
+        self._reconcile = True
+
+    def _changed(self) -> None:
+        from router import keys
+
+        if self.app is not None and keys.LIFECYCLE in self.app:
+            self.app[keys.LIFECYCLE].rotation_changed()
+
+    async def close(self) -> None:
+        """Leave (heartbeat and share removed, bounded) and close the connections."""
+        try:
+            await self.peers.leave()
+        except StateUnavailable:
+            pass
+        await self.redis.close()
+
+    def describe(self) -> dict:
+        """For /health and status: redis reachability, breaker, epoch, counters."""
+        return {"kind": "redis", "router": self.router_id, "available": self.available,
+                "breaker": self.redis.breaker.state, "epoch": self.versions.applied,
+                "versions_confirmed": self.versions.confirmed, "pins_moved_to_winner": self.pins.moved,
+                "pins_pending": len(self.pins.dirty), "sync_rounds": self.rounds, "time": time.time()}

@@ -1,0 +1,132 @@
+"""The replica registry across routers: added, restarted (new URL), draining, removed (issue 13).
+
+Each sync round compares this router's fleet (its pool and the core's rotation) with the
+registry as last synced: what changed here is written (``PUT_REPLICA``, stamped with the next
+``replicas:seq``); entries other routers wrote since are carried into this router through the
+same path as the replica set's own events (``router.fleet.on_replica_event``), so a replica
+added or restarted through one router is used by all. Health is not shared: each router sees
+each replica itself. Replica keys (``ReplicaEndpoint.api_key``) are never written to Redis.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from typing import Any
+
+from cache_policy.types import ReplicaId
+from replicas.kv_events import KvEventSource
+from replicas.replica_set import ReplicaEndpoint
+from router.state.redis_client import GuardedRedis
+from router.state.wire import PUT_REPLICA, Keys
+
+log = logging.getLogger(__name__)
+
+FIELDS = ("replica_id", "base_url", "block_size", "num_gpu_blocks", "model", "scoring_cap", "kv_events")
+
+
+def entry_of(endpoint: ReplicaEndpoint, state: str) -> dict[str, Any]:
+    """The registry entry of ``endpoint`` (no key, no seq): endpoint fields and ``state``."""
+    out = {f: getattr(endpoint, f) for f in FIELDS}
+    out["kv_events"] = dataclasses.asdict(endpoint.kv_events) if endpoint.kv_events is not None else None
+    out["state"] = state
+    return out
+
+
+def endpoint_of(entry: dict[str, Any], key: str | None) -> ReplicaEndpoint:
+    """A ``ReplicaEndpoint`` from a registry entry (``key``: the replica key known here, if any)."""
+    kv = entry.get("kv_events")
+    return ReplicaEndpoint(ReplicaId(entry["replica_id"]), entry["base_url"], int(entry["block_size"]),
+                           int(entry["num_gpu_blocks"]), entry["model"], bool(entry["scoring_cap"]),
+                           KvEventSource(**kv) if kv else None, key)
+
+
+def local_view(app) -> dict[ReplicaId, dict[str, Any]]:
+    """This router's fleet as registry entries."""
+    from router import keys
+
+    core, pool = app[keys.CORE], app[keys.POOL]
+    return {s.endpoint.replica_id: entry_of(s.endpoint, "draining" if core.versions.rotation.get(
+        s.endpoint.replica_id) == "draining" else "active") for s in pool.states() if s.endpoint.replica_id in core.replicas}
+
+
+class RegistrySync:
+    """Registry entries between this router's fleet and Redis."""
+
+    def __init__(self, redis: GuardedRedis, keys: Keys, router_id: str) -> None:
+        self.redis, self.keys, self.router_id = redis, keys, router_id
+        self.known: dict[ReplicaId, dict[str, Any]] = {}
+        """Entries as last synced (without ``seq``/``by``), per replica."""
+        self.seq: dict[ReplicaId, int] = {}
+
+    def forget(self) -> None:
+        """Redis restarted empty: everything local is written again next round."""
+        self.known.clear()
+        self.seq.clear()
+
+    async def push(self, app, timeout_s: float) -> int:
+        """Write what changed in this router's fleet since the last sync. Raises StateUnavailable."""
+        local = local_view(app)
+        changes = {rid: e for rid, e in local.items() if self.known.get(rid) != e}
+        for rid, e in self.known.items():
+            if rid not in local and e["state"] != "removed":
+                changes[rid] = {**e, "state": "removed"}
+        for rid, entry in changes.items():
+            body = json.dumps({**entry, "by": self.router_id})
+            self.seq[rid] = int(await self.redis.call(lambda c: c.eval(
+                PUT_REPLICA, 2, self.keys.replicas, self.keys.replicas_seq, rid, body, self.keys.events),
+                timeout_s=timeout_s))
+            self.known[rid] = entry
+        return len(changes)
+
+    async def pull(self, app, timeout_s: float) -> int:
+        """Carry entries other routers wrote since the last sync into this router. Raises StateUnavailable."""
+        raw = await self.redis.call(lambda c: c.hgetall(self.keys.replicas), timeout_s=timeout_s)
+        applied = 0
+        for rid, text in raw.items():
+            try:
+                entry = json.loads(text)
+                seq = int(entry.pop("seq"))
+                entry.pop("by", None)
+            except (ValueError, KeyError, TypeError) as exc:
+                log.warning("ignoring a malformed registry entry for %r: %r", rid, exc)
+                continue
+            rid = ReplicaId(rid)
+            if seq <= self.seq.get(rid, 0):
+                continue
+            self.seq[rid] = seq
+            if self.known.get(rid) != entry:
+                try:
+                    self._apply(app, rid, entry)
+                except (ValueError, KeyError, TypeError) as exc:
+                    log.warning("could not follow registry entry %s: %r", rid, exc)
+                    continue
+                applied += 1
+            self.known[rid] = entry
+        return applied
+
+    def _apply(self, app, rid: ReplicaId, entry: dict[str, Any]) -> None:
+        from replicas.events import ReplicaEvent
+        from router import keys
+        from router.fleet import on_replica_event
+
+        pool, core = app[keys.POOL], app[keys.CORE]
+        here = {s.endpoint.replica_id: s.endpoint for s in pool.states()}
+        state = entry["state"]
+        if state == "removed":
+            if rid in here and len(here) > 1:
+                on_replica_event(app, ReplicaEvent("removed", rid, here[rid]))
+            return
+        local = here.get(rid)
+        endpoint = endpoint_of(entry, local.api_key if local is not None else None)
+        if local is None or rid not in core.replicas:
+            log.warning("replica %s at %s added by another router", rid, endpoint.base_url)
+            on_replica_event(app, ReplicaEvent("added", rid, endpoint))
+        elif local.base_url != endpoint.base_url:
+            log.warning("replica %s restarted at %s (another router)", rid, endpoint.base_url)
+            on_replica_event(app, ReplicaEvent("restarted", rid, endpoint))
+        if state == "draining" and core.versions.rotation.get(rid) != "draining":
+            on_replica_event(app, ReplicaEvent("draining", rid, endpoint))
+        elif state == "active" and core.versions.rotation.get(rid) == "draining":
+            core.set_rotation(rid, None)

@@ -1,0 +1,140 @@
+"""Weight versions and the update lock across routers (issue 13, DESIGN rules 4 and 7).
+
+The router that runs a weight update publishes the core's version snapshot
+(``DecisionCore.versions_snapshot``) after each step; each publication gets the next *epoch*.
+Every router reads the epoch with the pins of each request, before ``core.open`` chooses the
+request's salt (one MGET), and applies a newer snapshot first. So a router never salts new work
+for a replica with a version older than the last one published, and replicas an update holds
+out of rotation are out of rotation everywhere before the update touches them (the updater
+publishes before pausing; if it cannot, it does not proceed: see /work/helpers/STATE-API.md).
+
+When Redis cannot be reached no update can start (the lock needs Redis), so the last snapshot
+a router confirmed stays right; a router that has never confirmed one (started while Redis was
+down) salts nothing with a guess (``DecisionCore.unconfirm_versions``) until it can.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+
+from cache_policy.core import DecisionCore
+from router.state.redis_client import GuardedRedis, StateUnavailable
+from router.state.wire import PUBLISH_VERSIONS, REFRESH_LOCK, RELEASE_LOCK, Keys
+
+log = logging.getLogger(__name__)
+
+
+class VersionSync:
+    """Version snapshots and the weight-update lock in Redis.
+
+    ``applied``: epoch of the snapshot this router's core agrees with (-1: none confirmed;
+    ``confirmed`` is False until one is, or until this router seeded a fresh Redis).
+    """
+
+    def __init__(self, redis: GuardedRedis, keys: Keys, router_id: str, on_change: Callable[[], None]) -> None:
+        self.redis, self.keys, self.router_id, self.on_change = redis, keys, router_id, on_change
+        self.applied = -1
+        self.confirmed = False
+        self.seed: dict | None = None
+        """The configured versions, published if Redis holds none and no other router is alive."""
+        self.missing = False
+        """Redis holds no snapshot although this router has one (restarted empty): re-publish."""
+
+    async def observe(self, core: DecisionCore, raw_epoch: str | None) -> None:
+        """A read returned the epoch ``raw_epoch``: apply a newer snapshot. Never raises."""
+        if raw_epoch is None:
+            self.missing = self.applied >= 0
+            return
+        if int(raw_epoch) > self.applied:
+            try:
+                await self.fetch(core)
+            except StateUnavailable:
+                pass  # the next read or the sync loop tries again
+
+    async def fetch(self, core: DecisionCore) -> bool:
+        """Read and apply the snapshot in Redis if newer; True when Redis holds one.
+        Raises StateUnavailable."""
+        raw = await self.redis.call(lambda c: c.hgetall(self.keys.versions))
+        if not raw or "snapshot" not in raw:
+            self.missing = self.applied >= 0
+            return False
+        epoch = int(raw["epoch"])
+        if epoch > self.applied:
+            try:
+                changed = core.apply_versions(json.loads(raw["snapshot"]))
+            except (ValueError, KeyError, TypeError) as exc:
+                log.warning("ignoring a malformed version snapshot (epoch %s, by %s): %r", epoch, raw.get("by"), exc)
+                return True
+            was = self.confirmed
+            self.applied, self.confirmed, self.missing = epoch, True, False
+            if changed or not was:
+                log.info("versions from %s (epoch %d): current %s, changed %s", raw.get("by"), epoch,
+                         core.versions.current, changed)
+            self.on_change()
+        return True
+
+    async def publish(self, core: DecisionCore) -> bool:
+        """Publish the core's snapshot as the next epoch; False when Redis is unreachable."""
+        snapshot = json.dumps(core.versions_snapshot())
+        try:
+            epoch = await self.redis.call(lambda c: c.eval(PUBLISH_VERSIONS, 2, self.keys.versions,
+                                                           self.keys.versions_epoch, snapshot, self.router_id,
+                                                           self.keys.events, ""))
+        except StateUnavailable as exc:
+            log.warning("could not publish versions: %s", exc)
+            return False
+        self.applied, self.confirmed, self.missing = int(epoch), True, False
+        return True
+
+    async def restore(self, core: DecisionCore, others_alive: bool) -> None:
+        """Redis holds no snapshot: re-publish ours under its epoch (restarted empty), or, on a
+        fresh Redis with no other router alive, seed the configured versions. Raises StateUnavailable."""
+        if self.applied >= 0:
+            snapshot, epoch = core.versions_snapshot(), self.applied
+        elif not others_alive and self.seed is not None:
+            snapshot, epoch = self.seed, 0
+        else:
+            return  # a router that holds a view will re-publish it; then we apply it
+        result = await self.redis.call(lambda c: c.eval(PUBLISH_VERSIONS, 2, self.keys.versions,
+                                                        self.keys.versions_epoch, json.dumps(snapshot),
+                                                        self.router_id, self.keys.events, str(epoch)))
+        if int(result) == epoch:
+            if not self.confirmed:
+                core.apply_versions(snapshot)
+                self.on_change()
+            self.applied, self.confirmed, self.missing = epoch, True, False
+            log.warning("re-published versions (epoch %d) to an empty redis", epoch)
+
+    # -- the weight-update lock ------------------------------------------------------------------
+
+    async def acquire_lock(self, owner: str, ttl_s: float) -> bool:
+        """SET NX PX: True when ``owner`` holds the lock now. False if held by another or Redis is down."""
+        try:
+            return bool(await self.redis.call(lambda c: c.set(self.keys.lock_update, owner, nx=True,
+                                                               px=max(1, int(ttl_s * 1000)))))
+        except StateUnavailable:
+            return False
+
+    async def refresh_lock(self, owner: str, ttl_s: float) -> bool:
+        """Extend ``owner``'s lock by ``ttl_s``; False if it no longer holds it or Redis is down."""
+        try:
+            return bool(await self.redis.call(lambda c: c.eval(REFRESH_LOCK, 1, self.keys.lock_update, owner,
+                                                               max(1, int(ttl_s * 1000)))))
+        except StateUnavailable:
+            return False
+
+    async def release_lock(self, owner: str) -> None:
+        """Delete the lock if ``owner`` holds it. Never raises (it expires anyway)."""
+        try:
+            await self.redis.call(lambda c: c.eval(RELEASE_LOCK, 1, self.keys.lock_update, owner))
+        except StateUnavailable as exc:
+            log.warning("could not release the update lock of %s (it expires by itself): %s", owner, exc)
+
+    async def lock_holder(self) -> str | None:
+        """Who holds the update lock (None: free, or Redis unreachable)."""
+        try:
+            return await self.redis.call(lambda c: c.get(self.keys.lock_update))
+        except StateUnavailable:
+            return None

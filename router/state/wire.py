@@ -1,0 +1,129 @@
+"""What routers write to Redis: key names, value encodings and the atomic scripts (issue 13).
+
+Keys, all under ``prefix`` (``router.redis_prefix``)::
+
+    pin:<kind>:<key>     "<replica>|<start version or empty>"   first writer wins (CLAIM), EX pin TTL
+    versions             hash: epoch, snapshot (JSON, cache_policy.sharing), by (router id)
+    versions:epoch       the same epoch as a plain string (read with the pins, one round trip)
+    replicas             hash: replica id -> JSON entry (endpoint, state, seq, by)
+    replicas:seq         counter stamping registry entries
+    routers              zset: router id -> last heartbeat (unix seconds)
+    router:<id>          JSON: that router's view (versions, replicas, in flight), EX router TTL
+    load:<id>            JSON: that router's in-flight share per replica, EX router TTL
+    lock:update          owner of the weight-update lock, PX its TTL
+    instance             random token: a different or missing one means Redis restarted empty
+    events               pub/sub channel: "pin\\t<kind>\\t<key>\\t<value>", "versions\\t<epoch>", "replicas\\t<seq>"
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+CLAIM = """
+-- KEYS: pin keys; ARGV[1] ttl, ARGV[2] channel, then per key: expected replica ('' = none), replica, start version
+local ttl = tonumber(ARGV[1])
+local out = {}
+for i, key in ipairs(KEYS) do
+  local expected, rid, sv = ARGV[3 * i], ARGV[3 * i + 1], ARGV[3 * i + 2]
+  local cur = redis.call('GET', key)
+  local value = nil
+  if not cur then
+    value = rid .. '|' .. sv
+  else
+    local cur_rid, cur_sv = string.match(cur, '^(.*)|(.*)$')
+    if cur_rid == expected and cur_rid ~= rid then value = rid .. '|' .. cur_sv end
+  end
+  if value then
+    redis.call('SET', key, value, 'EX', ttl)
+    redis.call('PUBLISH', ARGV[2], 'pin\\t' .. key .. '\\t' .. value)
+    out[i] = value
+  else
+    redis.call('EXPIRE', key, ttl)
+    out[i] = cur
+  end
+end
+return out
+"""
+"""First writer wins, atomically: a pin is written when absent, or moved when it still names
+the replica the writer read (a deliberate move: unhealthy or over its load); otherwise the
+current value wins and is returned. The start version of a moved pin is kept."""
+
+PUBLISH_VERSIONS = """
+-- KEYS: versions hash, epoch key; ARGV: snapshot JSON, router id, channel, restore epoch ('' = new)
+local cur = tonumber(redis.call('GET', KEYS[2]) or '-1')
+local epoch
+if ARGV[4] == '' then
+  epoch = redis.call('INCR', KEYS[2])
+else
+  epoch = tonumber(ARGV[4])
+  if epoch <= cur then return cur end
+  redis.call('SET', KEYS[2], epoch)
+end
+redis.call('HSET', KEYS[1], 'epoch', epoch, 'snapshot', ARGV[1], 'by', ARGV[2])
+redis.call('PUBLISH', ARGV[3], 'versions\\t' .. epoch)
+return epoch
+"""
+"""A new snapshot gets the next epoch; a restored one (after Redis restarted empty) is written
+only when its epoch is newer than what Redis holds. Returns the epoch in Redis."""
+
+RELEASE_LOCK = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+REFRESH_LOCK = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 0
+"""
+
+PUT_REPLICA = """
+-- KEYS: replicas hash, seq key; ARGV: replica id, entry JSON without seq (ends with '}'), channel
+local seq = redis.call('INCR', KEYS[2])
+local entry = string.sub(ARGV[2], 1, -2) .. ', "seq": ' .. seq .. '}'
+redis.call('HSET', KEYS[1], ARGV[1], entry)
+redis.call('PUBLISH', ARGV[3], 'replicas\\t' .. seq)
+return seq
+"""
+
+
+@dataclass(frozen=True)
+class Keys:
+    """Key names under one ``prefix``."""
+
+    prefix: str
+
+    def pin(self, kind: str, key: str) -> str:
+        return f"{self.prefix}pin:{kind}:{key}"
+
+    def __getattr__(self, name: str) -> str:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return self.prefix + name.replace("_", ":")
+
+    def router(self, router_id: str) -> str:
+        return f"{self.prefix}router:{router_id}"
+
+    def load(self, router_id: str) -> str:
+        return f"{self.prefix}load:{router_id}"
+
+
+def encode_pin(replica: str, start_version: int | None) -> str:
+    """``"<replica>|<start version>"`` (empty version: none)."""
+    return f"{replica}|{'' if start_version is None else start_version}"
+
+
+def decode_pin(value: str | None) -> tuple[str | None, int | None]:
+    """``(replica, start_version)`` of a stored pin; ``(None, None)`` for none or garbage."""
+    if not value or "|" not in value:
+        return None, None
+    replica, _, version = value.rpartition("|")
+    try:
+        return replica or None, int(version) if version else None
+    except ValueError:
+        return replica or None, None
+
+
+def parse_event(message: str) -> tuple[str, list[str]]:
+    """``(kind, fields)`` of a message on the ``events`` channel."""
+    kind, *fields = message.split("\t")
+    return kind, fields
