@@ -13,6 +13,7 @@ from typing import Awaitable, Callable
 
 from cache_policy.types import ReplicaId
 from replicas import ops
+from replicas.ids import replica_index
 
 DRAIN_POLL_S = 0.5
 logger = logging.getLogger(__name__)
@@ -47,9 +48,7 @@ class Membership:
         nothing in flight there), else its ``/metrics`` showing no running or waiting request.
         Returns True when it was idle (or not drained), False when the drain timed out.
         """
-        from replicas.replica_set import _index
-
-        index = _index(rid)
+        index = replica_index(rid)
         endpoint = self._endpoints[index]
         self._leaving.add(index)
         self._supervisor.forget(index)
