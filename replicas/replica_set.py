@@ -29,11 +29,12 @@ import aiohttp
 from cache_policy.types import ReplicaId
 from replicas import ops
 from replicas.auth import PROCESS_KEYS, ReplicaAuth, new_key
-from replicas.config import ReplicaSetConfig
+from replicas.config import ReplicaSetConfig, StartupError
 from replicas.events import EventBus, Handler
 from replicas.kv_events import KvEventSource, fetch_source
 from replicas.membership import Membership
 from replicas.metrics import scoring_cap_active
+from replicas.served_model import ServedModel, agreed_block_size, fetch_served_model
 from replicas.ray_users import _LOCAL_RAY, RAY_INIT_ATTEMPTS, _RayUsers  # noqa: F401 - re-exported
 from replicas.supervisor import SupervisionConfig, Supervisor
 
@@ -55,6 +56,9 @@ class ReplicaEndpoint:
     """Where the replica publishes KV cache events (``GET /kv_event_sources``); None: it does not."""
     api_key: str | None = field(default=None, repr=False)
     """The replica's key (``Authorization: Bearer``) for every path but ``/health``; None: none needed."""
+    model_root: str | None = None
+    """Where the server loaded its model from (``/v1/models`` ``root``: a folder or a hub name);
+    None when it did not say (replicas launched here: ``ReplicaSetConfig.model``)."""
 
 
 def replica_id(index: int) -> ReplicaId:
@@ -211,10 +215,16 @@ class ReplicaSet(Membership):
             await self._wrap(self._take_index(index), url, f"ReplicaSetConfig.urls[{index}]")
 
     async def _wrap(self, index: int, url: str, what: str) -> ReplicaEndpoint:
+        """Use the running server at ``url`` as replica ``index``: its block size and KV size from
+        ``/metrics``, its model from ``/v1/models``. StartupError when it does not answer or its
+        block size differs from the other replicas' (one prefix hash needs one block size)."""
         if not await ops.is_healthy(self._session, url):
-            raise RuntimeError(f"{what} {url} does not answer GET /health")
+            raise StartupError(f"{what} {url} does not answer GET /health")
         m = await ops.fetch_metrics(self._session, url)
-        self._endpoints[index] = await self._endpoint(index, url, m.block_size, m.num_gpu_blocks)
+        others = [e for i, e in self._endpoints.items() if i != index]
+        block_size = agreed_block_size(f"{what} {url}", m.block_size, self.cfg.block_size, others)
+        served = await fetch_served_model(self._session, url)
+        self._endpoints[index] = await self._endpoint(index, url, block_size, m.num_gpu_blocks, served=served)
         return self._endpoints[index]
 
     async def _launch_all(self) -> None:
@@ -243,17 +253,18 @@ class ReplicaSet(Membership):
         return endpoint
 
     async def _endpoint(self, index: int, url: str, block_size: int, num_gpu_blocks: int,
-                        api_key: str | None = None) -> ReplicaEndpoint:
+                        api_key: str | None = None, served: ServedModel | None = None) -> ReplicaEndpoint:
         self.auth.set_key(url, api_key)  # the probes below must already send the key
         return ReplicaEndpoint(
             replica_id=replica_id(index),
             base_url=url,
             block_size=block_size or self.cfg.block_size,
             num_gpu_blocks=num_gpu_blocks,
-            model=self.cfg.served_model_name,
+            model=served.name if served else self.cfg.served_model_name,
             scoring_cap=await self._probe_scoring_cap(url),
             kv_events=await fetch_source(self._session, url),
             api_key=api_key,
+            model_root=served.root if served else None,
         )
 
     async def _init_ray(self) -> None:

@@ -89,7 +89,7 @@ class WeightUpdater:
         self.versions = lifecycle.core.versions
         self.pool = lifecycle.pool
         self._lock = asyncio.Lock()
-        initial = _initial_weights_path(cfg)
+        initial = _initial_weights_path(cfg, [s.endpoint.model_root for s in self.pool.states()])
         self.paths: dict[ReplicaId, str | None] = dict.fromkeys(self.pool.ids(), initial)
         self.last_report: dict[str, Any] | None = None
 
@@ -213,11 +213,12 @@ async def get_weights(request: web.Request) -> web.Response:
     return web.json_response({**request.app[keys.CORE].versions.describe(), "last_update": updater.last_report})
 
 
-def _initial_weights_path(cfg: AppConfig) -> str | None:
-    """``router.initial_weights_path``, else the replicas' model when it is a local folder."""
+def _initial_weights_path(cfg: AppConfig, roots: list[str | None]) -> str | None:
+    """``router.initial_weights_path``, else the replicas' model when it is a local folder
+    (``replicas.served_model.model_source``: with ``replicas.urls``, a server's model ``roots``)."""
     if cfg.router.initial_weights_path:
         return cfg.router.initial_weights_path
-    from replicas.server import resolve_model
+    from replicas.served_model import model_source
 
-    path = resolve_model(cfg.replicas)
-    return path if Path(path).is_dir() else None
+    path = model_source(cfg.replicas, roots)
+    return path if path and Path(path).is_dir() else None

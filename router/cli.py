@@ -19,6 +19,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
+from replicas.config import StartupError
 from router.config import AppConfig, RouterConfig
 
 _SIMPLE = (int, float, str)
@@ -178,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
             asyncio.run(_serve(cfg))
     except KeyboardInterrupt:
         return 130
+    except StartupError as exc:  # replicas unusable as found (unreachable, block sizes differ, no tokenizer)
+        print(f"rollout-router: cannot start: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

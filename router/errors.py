@@ -96,6 +96,10 @@ REQUEST_FIELDS = frozenset("""
     """.split())
 """OpenAI/vLLM request fields a replica's error message may name when its ``param`` is null."""
 _WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_OUT_OF_VOCABULARY = re.compile(r"\bToken id -?\d+ is out of vocabulary")
+"""vLLM 0.32's refusal of a prompt token ID, sent with a null ``param`` (``renderers/base.py``
+``validate_token_ids``, called without one by ``v1/engine/input_processor.py``): it is about
+the input tokens. A router without a tokenizer relies on it (``router.tokenize``)."""
 
 
 def router_param(param: object, endpoint: str) -> object:
@@ -105,9 +109,12 @@ def router_param(param: object, endpoint: str) -> object:
 
 
 def param_in_message(message: object) -> str | None:
-    """The first request field a replica's error message names (``"temperature must be ..."``)."""
+    """The first request field a replica's error message names (``"temperature must be ..."``), or
+    vLLM's own name for it (``input_tokens`` for an out-of-vocabulary token ID)."""
     if not isinstance(message, str):
         return None
+    if _OUT_OF_VOCABULARY.search(message[:500]):
+        return "input_tokens"
     return next((w for w in _WORD.findall(message[:500]) if w in REQUEST_FIELDS), None)
 
 

@@ -79,7 +79,8 @@ async def read_score(request: web.Request) -> tuple[ScoreRequest, list[int]]:
     if req.messages is not None:
         context = await tokenizer.achat_ids(req.messages, add_generation_prompt=True)
     else:
-        context = req.context if isinstance(req.context, list) else await tokenizer.acompletion_ids(req.context)
+        context = (req.context if isinstance(req.context, list)
+                   else await tokenizer.acompletion_ids(req.context, param="context"))
     tokenizer.check_ids(context, "context")
     param = "context" if req.messages is None else "messages"
     check_room(len(context), {}, limits, param)

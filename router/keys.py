@@ -1,26 +1,21 @@
-"""Every typed application key of the router app, in one place."""
+"""Every typed application key of the router app, in one place.
+
+A leaf module: it imports nothing from ``router/`` or ``cache_policy/`` (every module that
+reads the app imports it, so any import here would close a cycle). Each key's type is named
+as a string: ``CORE`` holds a ``cache_policy.core.DecisionCore``, ``WEIGHT_UPDATER`` a
+``router.admin.WeightUpdater``, and so on.
+"""
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import aiohttp
 from aiohttp import web
 
-if TYPE_CHECKING:
-    from cache_policy.core import DecisionCore
-    from router.admin import WeightUpdater
-    from router.config import AppConfig
-    from router.lifecycle import Lifecycle
-    from router.metrics import RouterMetrics
-    from router.pool import ReplicaPool
-    from router.tokenize import PromptTokenizer
-
-CONFIG = web.AppKey("config", "AppConfig")
-POOL = web.AppKey("pool", "ReplicaPool")
-CORE = web.AppKey("core", "DecisionCore")
-METRICS = web.AppKey("metrics", "RouterMetrics")
+CONFIG = web.AppKey("config", "router.config.AppConfig")
+POOL = web.AppKey("pool", "router.pool.ReplicaPool")
+CORE = web.AppKey("core", "cache_policy.core.DecisionCore")
+METRICS = web.AppKey("metrics", "router.metrics.RouterMetrics")
 HTTP = web.AppKey("http", aiohttp.ClientSession)
-TOKENIZER = web.AppKey("tokenizer", "PromptTokenizer")
-LIFECYCLE = web.AppKey("lifecycle", "Lifecycle")
-WEIGHT_UPDATER = web.AppKey("weight_updater", "WeightUpdater")
+TOKENIZER = web.AppKey("tokenizer", "router.tokenize.PromptTokenizer")
+LIFECYCLE = web.AppKey("lifecycle", "router.lifecycle.Lifecycle")
+WEIGHT_UPDATER = web.AppKey("weight_updater", "router.admin.WeightUpdater")

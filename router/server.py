@@ -8,25 +8,54 @@ can be drained (``router.shutdown``: ``app[SHUTDOWN]``, ``drain(app, grace_s)``)
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 from typing import AsyncIterator, Sequence
 
 from aiohttp import web
 
+from replicas.config import StartupError
 from replicas.replica_set import ReplicaEndpoint
-from replicas.server import resolve_model
+from replicas.served_model import model_source
 from router.app import create_app
 from router.fleet import attach_fleet
 from router.config import AppConfig
 from router.shutdown import install as install_shutdown
 from router.tokenize import PromptTokenizer
 
+log = logging.getLogger(__name__)
 
-def tokenizer_path(cfg: AppConfig) -> str:
-    """The router's tokenizer: ``router.tokenizer`` or the replicas' model (generated if 'tiny')."""
+
+def tokenizer_path(cfg: AppConfig, endpoints: Sequence[ReplicaEndpoint] = ()) -> str | None:
+    """Where the router's tokenizer comes from: ``router.tokenizer``; else, with ``replicas.urls``,
+    the served model's folder when a server's ``/v1/models`` ``root`` is one on this machine
+    (else None: no tokenizer); else the launched replicas' model (generated if 'tiny')."""
     if cfg.router.tokenizer:
         return cfg.router.tokenizer
-    return resolve_model(cfg.replicas)
+    return model_source(cfg.replicas, [e.model_root for e in endpoints])
+
+
+async def load_tokenizer(cfg: AppConfig, endpoints: Sequence[ReplicaEndpoint] = ()) -> PromptTokenizer:
+    """The router's tokenizer (:func:`tokenizer_path`), loaded off the event loop.
+
+    StartupError when ``router.tokenizer`` cannot be loaded; a served model's folder without a
+    usable tokenizer only means no tokenizer (a warning): token-ID prompts still work."""
+    path = await asyncio.to_thread(tokenizer_path, cfg, endpoints)
+    tokenizer = PromptTokenizer(path)
+    try:
+        await asyncio.to_thread(tokenizer.load)
+    except (OSError, ValueError) as exc:
+        if cfg.router.tokenizer or not cfg.replicas.urls:
+            source = "router.tokenizer" if cfg.router.tokenizer else "the replicas' model"
+            raise StartupError(f"{source} {path!r} has no tokenizer that loads: {' '.join(str(exc).split())}") from None
+        log.warning("no tokenizer in the served model's folder %s (%s); text prompts get 400 until "
+                    "router.tokenizer is set", path, exc)
+        return PromptTokenizer(None)
+    if path is None:
+        log.warning("no tokenizer (router.tokenizer unset, and no server names a local model folder): "
+                    "token-ID prompts only; text prompts and chat messages get 400")
+    return tokenizer
 
 
 @contextlib.asynccontextmanager
@@ -37,7 +66,7 @@ async def running_router(cfg: AppConfig, endpoints: Sequence[ReplicaEndpoint],
 
     ``replica_set``: the ``ReplicaSet`` behind the endpoints, if any: the router follows its
     events (restarts, new URLs, drains) and serves ``/admin/replicas`` for it."""
-    tokenizer = tokenizer or PromptTokenizer(tokenizer_path(cfg))
+    tokenizer = tokenizer or await load_tokenizer(cfg, endpoints)
     app = create_app(cfg, endpoints, tokenizer)
     attach_fleet(app, replica_set)
     install_shutdown(app)
@@ -56,7 +85,23 @@ async def running_router(cfg: AppConfig, endpoints: Sequence[ReplicaEndpoint],
     try:
         yield f"http://{cfg.router.host}:{port}", app
     finally:
-        await runner.cleanup()
+        await _bounded_cleanup(runner)
 
 
-__all__ = ["running_router", "tokenizer_path"]
+CLEANUP_TIMEOUT_S = 20.0
+"""How long stopping the app (handlers, then cleanup contexts) may take before it is left behind."""
+
+
+async def _bounded_cleanup(runner: web.AppRunner) -> None:
+    """``runner.cleanup()``, but a cleanup context that ignores cancellation cannot hold the
+    shutdown forever: after ``CLEANUP_TIMEOUT_S`` it is left running and logged."""
+    cleanup = asyncio.ensure_future(runner.cleanup())
+    done, _ = await asyncio.wait({cleanup}, timeout=CLEANUP_TIMEOUT_S)
+    if done:
+        cleanup.result()
+        return
+    pending = [t.get_name() for t in asyncio.all_tasks() if t.cancelling() and not t.done()]
+    log.error("router cleanup still running after %g s (stuck tasks: %s); going on", CLEANUP_TIMEOUT_S, pending)
+
+
+__all__ = ["load_tokenizer", "running_router", "tokenizer_path"]

@@ -13,6 +13,7 @@ with the request's ``add_special_tokens`` (default false), as vLLM 0.32 does
 from __future__ import annotations
 
 import asyncio
+import threading
 from typing import Any, Mapping
 
 from router.errors import BadRequest
@@ -45,59 +46,108 @@ def template_kwargs(body: Mapping[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
+NO_TOKENIZER = ("text prompts need a tokenizer: set router.tokenizer (a Hugging Face path or name; with "
+                "replicas.urls it defaults to the served model's folder when /v1/models names a local one), "
+                "or send token IDs")
+"""The 400 a text prompt, chat messages or a text scoring context get from a router without a tokenizer."""
+
+
 class PromptTokenizer:
-    """Wraps a Hugging Face tokenizer; tokenization runs off the event loop."""
+    """Wraps a Hugging Face tokenizer, loaded on first use; tokenization runs off the event loop.
 
-    def __init__(self, path: str):
-        from transformers import AutoTokenizer
+    ``path`` None: the router has no tokenizer (it fronts servers whose model it cannot read).
+    Token-ID prompts still work (their vocabulary check is left to the replica, whose 400 the
+    router passes on); a text prompt, chat messages or a text context are a 400 naming the field.
+    """
 
+    def __init__(self, path: str | None):
         self.path = path
-        self._tok = AutoTokenizer.from_pretrained(path)
-        self._vocab_size = len(self._tok)  # len() of a HF tokenizer rebuilds its vocabulary: once
+        self._tok: Any = None
+        self._vocab_size: int | None = None
+        self._lock = threading.Lock()
+
+    def load(self) -> None:
+        """Load the tokenizer now (blocking; once). ``OSError``/``ValueError`` from Hugging Face
+        when ``path`` is neither a tokenizer folder nor a name it can fetch; nothing when ``path`` is None."""
+        if self.path is None or self._tok is not None:
+            return
+        with self._lock:
+            if self._tok is None:
+                from transformers import AutoTokenizer  # only a router with a tokenizer pays for transformers
+
+                tok = AutoTokenizer.from_pretrained(self.path)
+                self._vocab_size = len(tok)  # len() of a HF tokenizer rebuilds its vocabulary: once
+                self._tok = tok
+
+    def _loaded(self, param: str) -> Any:
+        if self.path is None:
+            raise BadRequest(f"'{param}' is text, and {NO_TOKENIZER}", param=param)
+        self.load()
+        return self._tok
 
     @property
-    def vocab_size(self) -> int:
-        """Token IDs the model knows: ``[0, vocab_size)``."""
+    def available(self) -> bool:
+        """True when the router has a tokenizer (text prompts work)."""
+        return self.path is not None
+
+    @property
+    def vocab_size(self) -> int | None:
+        """Token IDs the model knows: ``[0, vocab_size)``; None without a tokenizer."""
+        self.load()
         return self._vocab_size
 
     def check_ids(self, token_ids: list[int], param: str) -> None:
         """BadRequest naming ``param`` when a token ID is outside ``[0, vocab_size)``.
 
         ``token_ids`` must already hold only ints (``router.parse`` checks): two C-speed passes
-        (min, max); the offending ID is looked for only when one is out of range."""
-        if token_ids and (min(token_ids) < 0 or max(token_ids) >= self._vocab_size):
-            bad = next(t for t in token_ids if not 0 <= t < self._vocab_size)
+        (min, max); the offending ID is looked for only when one is out of range. Without a
+        tokenizer nothing is checked here."""
+        vocab = self.vocab_size
+        if vocab is None:  # no tokenizer: the replica checks (its 400 is passed on, naming ``param``)
+            return
+        if token_ids and (min(token_ids) < 0 or max(token_ids) >= vocab):
+            bad = next(t for t in token_ids if not 0 <= t < vocab)
             raise BadRequest(f"'{param}' holds token ID {bad}, outside the model's vocabulary "
-                             f"[0, {self._vocab_size})", param=param)
+                             f"[0, {vocab})", param=param)
 
-    def completion_ids(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
-        """Token IDs of a text prompt, with BOS as vLLM's completions add it (unless asked not to)."""
-        return self._encode(prompt, add_special_tokens, "prompt")
+    def completion_ids(self, prompt: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
+        """Token IDs of a text prompt, with BOS as vLLM's completions add it (unless asked not to).
+        BadRequest naming ``param`` when it cannot be tokenized or there is no tokenizer."""
+        return self._encode(prompt, add_special_tokens, param)
 
     def chat_ids(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, *,
                  body: Mapping[str, Any] | None = None) -> list[int]:
         """Token IDs of chat ``messages`` as vLLM renders them for a chat ``body`` (default: a body
         with only ``add_generation_prompt``)."""
         body = body if body is not None else {"add_generation_prompt": add_generation_prompt}
+        tok = self._loaded("messages")
         flat = [{**m, "content": _flatten_content(m.get("content"))} for m in messages]
         try:
-            text = self._tok.apply_chat_template(flat, tokenize=False, **template_kwargs(body))
+            text = tok.apply_chat_template(flat, tokenize=False, **template_kwargs(body))
         except Exception as exc:  # template errors are the caller's messages' fault
             raise BadRequest(f"chat template failed on 'messages': {exc}", param="messages") from exc
         return self._encode(text, bool(body.get("add_special_tokens", False)), "messages")
 
     def _encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
+        tok = self._loaded(param)
         try:
-            return list(self._tok(text, add_special_tokens=add_special_tokens)["input_ids"])
+            return list(tok(text, add_special_tokens=add_special_tokens)["input_ids"])
         except (TypeError, ValueError) as exc:  # text no tokenizer accepts: the caller's
             raise BadRequest(f"'{param}' cannot be tokenized: {exc}", param=param) from exc
 
     def decode(self, token_ids: list[int]) -> str:
-        return self._tok.decode(token_ids)
+        """The text of ``token_ids``; BadRequest (param ``token_ids``) without a tokenizer."""
+        return self._loaded("token_ids").decode(token_ids)
 
-    async def acompletion_ids(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
-        return await asyncio.to_thread(self.completion_ids, prompt, add_special_tokens)
+    async def acompletion_ids(self, prompt: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
+        """:meth:`completion_ids` off the event loop."""
+        if self.path is None:  # the 400 at once, without a thread
+            self._loaded(param)
+        return await asyncio.to_thread(self.completion_ids, prompt, add_special_tokens, param)
 
     async def achat_ids(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, *,
                         body: Mapping[str, Any] | None = None) -> list[int]:
+        """:meth:`chat_ids` off the event loop."""
+        if self.path is None:
+            self._loaded("messages")
         return await asyncio.to_thread(self.chat_ids, messages, add_generation_prompt, body=body)

@@ -46,6 +46,13 @@ def test_gpu_engine_allows_any_block_size():
     assert ReplicaSetConfig(engine="gpu", block_size=16).block_size == 16
 
 
+def test_wrapped_servers_skip_the_cpu_launch_rule_for_block_size():
+    """With urls nothing is launched: a GPU fleet's 16 (the servers report it) is no config error."""
+    assert ReplicaSetConfig(urls=("http://127.0.0.1:8100",), block_size=16).block_size == 16
+    with pytest.raises(ValueError, match=r"ReplicaSetConfig\.block_size: must be a multiple of 32"):
+        ReplicaSetConfig(block_size=16)
+
+
 def test_from_dict_rejects_unknown_keys_by_name():
     with pytest.raises(ValueError, match=r"\['num_replica', 'port'\]"):
         ReplicaSetConfig.from_dict({"num_replica": 3, "port": 1, "model": "tiny"})

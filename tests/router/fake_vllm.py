@@ -1,0 +1,95 @@
+"""A stand-in vLLM OpenAI server on loopback (aiohttp, in the test process), for routers that run
+without vLLM: ``/health``, ``/metrics`` (the captured real page with its ``vllm:cache_config_info``
+block size and KV size replaced), ``/v1/models`` and non-streamed ``/v1/completions`` on token IDs.
+
+Its prefix cache is its own, written from vLLM's rule rather than the router's code: full blocks
+of ``block_size`` tokens are cached by prefix, and the prompt's last token is always recomputed,
+so a repeated prompt of ``L`` tokens reports ``(L - 1) // block_size * block_size`` cached tokens.
+An ID outside ``[0, vocab_size)`` gets vLLM 0.32's 400 (``renderers/base.py``
+``validate_token_ids``: a null ``param``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from pathlib import Path
+from typing import AsyncIterator
+
+from aiohttp import web
+
+METRICS_PAGE = Path(__file__).parent.parent / "replicas" / "data" / "vllm_metrics.txt"
+
+
+def metrics_page(block_size: int, num_gpu_blocks: int) -> str:
+    """The captured vLLM-CPU ``/metrics`` page, reporting ``block_size`` and ``num_gpu_blocks``."""
+    text = METRICS_PAGE.read_text()
+    text = re.sub(r'(?<=[{,])block_size="\d+"', f'block_size="{block_size}"', text)
+    text = re.sub(r'effective_attention_block_size="\d+"', f'effective_attention_block_size="{block_size}"', text)
+    return re.sub(r'num_gpu_blocks="\d+"', f'num_gpu_blocks="{num_gpu_blocks}"', text)
+
+
+class FakeVllm:
+    """One fake server; ``bodies`` holds every completion body it was sent."""
+
+    def __init__(self, *, block_size: int = 16, num_gpu_blocks: int = 2000, model: str = "fake-gpu-model",
+                 root: str = "example-org/fake-gpu-model", vocab_size: int = 1000) -> None:
+        self.block_size, self.model, self.root, self.vocab_size = block_size, model, root, vocab_size
+        self.page = metrics_page(block_size, num_gpu_blocks)
+        self.bodies: list[dict] = []
+        self._cached: set[tuple[int, ...]] = set()
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/completions", self._completions)
+        return app
+
+    async def _health(self, _: web.Request) -> web.Response:
+        return web.Response()
+
+    async def _metrics(self, _: web.Request) -> web.Response:
+        return web.Response(text=self.page)
+
+    async def _models(self, _: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": self.model, "object": "model", "owned_by": "vllm", "root": self.root, "max_model_len": 4096}]})
+
+    def _prefill(self, prompt: list[int]) -> int:
+        """Cached tokens of ``prompt`` (leading full blocks seen before, never the last token)."""
+        b, hit = self.block_size, 0
+        while hit + b <= len(prompt) - 1 and tuple(prompt[:hit + b]) in self._cached:
+            hit += b
+        for end in range(b, len(prompt) + 1, b):
+            self._cached.add(tuple(prompt[:end]))
+        return hit
+
+    async def _completions(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.bodies.append(body)
+        prompt = body["prompt"]
+        bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            return web.json_response({"error": {"message": f"Token id {bad} is out of vocabulary",
+                                                "type": "BadRequestError", "param": None, "code": 400}}, status=400)
+        cached = self._prefill(prompt)
+        return web.json_response({
+            "id": f"cmpl-{len(self.bodies)}", "object": "text_completion", "model": body["model"],
+            "choices": [{"index": 0, "text": " ok", "finish_reason": "length", "logprobs": None}],
+            "usage": {"prompt_tokens": len(prompt), "completion_tokens": 1, "total_tokens": len(prompt) + 1,
+                      "prompt_tokens_details": {"cached_tokens": cached}}})
+
+
+@contextlib.asynccontextmanager
+async def serving(fake: FakeVllm) -> AsyncIterator[str]:
+    """Serve ``fake`` on a free loopback port; yield its base URL."""
+    runner = web.AppRunner(fake.app(), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+    finally:
+        await runner.cleanup()

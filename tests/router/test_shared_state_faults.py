@@ -1,0 +1,131 @@
+"""router.state when Redis fails: deadlines, the breaker, restart empty, start while down.
+
+Real redis-server processes owned by each test (SIGKILL, SIGSTOP/SIGCONT, restart on one port).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from cache_policy.core import RequestSpec
+from cache_policy.salts import cache_salt_for_version
+from router.state.redis_client import Breaker, StateUnavailable
+from tests.conftest import FakeClock
+from tests.router.ha_redis import RedisProcess, free_port
+from tests.router.test_shared_state import R0, R1, Router
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+
+async def test_the_breaker_opens_after_its_failures_probes_once_and_closes_on_success():
+    clock = FakeClock()
+    b = Breaker(3, 1.0, clock.now)
+    assert [b.failure() for _ in range(3)] == [False, False, True] and b.state == "open" and not b.allow()
+    clock.advance(1.0)
+    assert b.allow() and not b.allow()  # one probe at a time
+    assert b.failure() is False and b.state == "open"  # a failed probe re-opens it
+    clock.advance(1.0)
+    assert b.allow() and b.success() is True and b.state == "closed" and b.allow()
+    assert b.opened == 1
+
+
+async def test_a_hung_redis_costs_a_call_its_deadline_then_nothing_and_it_recovers(tmp_path):
+    redis = RedisProcess(tmp_path).start()
+    try:
+        r = Router(redis.url, "f1:")
+        r.state.redis.breaker.reset_s = 0.5
+        await r.route(RequestSpec(list(range(64)), session_id="s"))
+        redis.stop()
+        took = []
+        for _ in range(6):
+            started = time.monotonic()
+            job = await r.route(RequestSpec(list(range(64)), session_id="s"))
+            took.append(time.monotonic() - started)
+            assert job.replica_id is not None
+        assert max(took[:3]) < 0.1 + 0.05  # the read's deadline (redis_timeout_s = 0.1); the claim is skipped
+        assert max(took[3:]) < 0.01 and r.state.redis.breaker.state == "open"  # fails fast, no network
+        redis.cont()
+        await asyncio.sleep(0.55)
+        await r.route(RequestSpec(list(range(64)), session_id="s"))
+        assert r.state.available and r.state._reconcile  # back: the next sync round reconciles
+    finally:
+        redis.close()
+
+
+async def test_pins_placed_while_redis_was_down_are_claimed_when_it_is_back(tmp_path):
+    redis = RedisProcess(tmp_path).start()
+    try:
+        a, b = Router(redis.url, "f2:"), Router(redis.url, "f2:")
+        redis.stop()
+        during = await a.route(RequestSpec(list(range(64)), session_id="during"))
+        assert ("session", "during") in a.state.pins.dirty
+        redis.cont()
+        await asyncio.sleep(1.05)
+        await a.state.sync_round()
+        assert not a.state.pins.dirty
+        later = await b.route(RequestSpec(list(range(96)), session_id="during"), 1.0)
+        assert later.replica_id == during.replica_id and later.decision.reason.value == "session"
+    finally:
+        redis.close()
+
+
+async def test_redis_restarted_empty_gets_pins_versions_and_registry_back(tmp_path):
+    redis = RedisProcess(tmp_path).start()
+    try:
+        a = Router(redis.url, "f3:")
+        await a.state.start(a.app, a.core)
+        job = await a.route(RequestSpec(list(range(64)), group_id="g"))
+        a.core.version_loaded(R0, 2)
+        a.core.version_loaded(R1, 2)
+        a.core.finish_update(2, "salt")
+        assert await a.state.publish_versions(a.core)
+        epoch = a.state.versions.applied
+        redis.kill()
+        redis.start()  # same port, no data
+        await asyncio.sleep(1.05)  # the breaker's reset
+        for _ in range(3):
+            await a.state.sync_round()
+        client = a.state.redis.client
+        assert await client.get("f3:pin:group:g") == f"{job.replica_id}|0"
+        assert int(await client.get("f3:versions:epoch")) == epoch
+        assert sorted(await client.hkeys("f3:replicas")) == [R0, R1]
+        assert a.state.restarts_seen == 1
+        b = Router(redis.url, "f3:")
+        new = await b.route(RequestSpec(list(range(64)), session_id="new"))
+        assert new.salt == cache_salt_for_version(2) and b.core.versions.policy == "salt"
+    finally:
+        redis.close()
+
+
+async def test_a_router_started_while_redis_is_down_serves_unsalted_then_joins(tmp_path):
+    port = free_port()
+    r = Router(f"redis://127.0.0.1:{port}/0", "f4:")
+    r.state.redis.breaker.reset_s = 0.2
+    started = time.monotonic()
+    await r.state.start(r.app, r.core)
+    assert time.monotonic() - started < 0.5 and not r.state.versions.confirmed
+    job = await r.route(RequestSpec(list(range(64)), session_id="early"))
+    assert job.salt is None and job.replica_id is not None  # no guessed salt
+    redis = RedisProcess(tmp_path, port).start()
+    try:
+        await asyncio.sleep(0.25)
+        for _ in range(2):
+            await r.state.sync_round()
+        assert r.state.versions.confirmed and r.core.versions.current == 0
+        client = r.state.redis.client
+        assert await client.zscore("f4:routers", r.state.router_id) is not None
+        assert (await client.get("f4:pin:session:early")).startswith(job.replica_id + "|")
+        assert r.core.open(RequestSpec(list(range(64))), 1.0).salt == cache_salt_for_version(0)
+    finally:
+        redis.close()
+
+
+async def test_every_call_fails_as_state_unavailable_not_as_a_redis_error(tmp_path):
+    r = Router(f"redis://127.0.0.1:{free_port()}/0", "f5:")
+    with pytest.raises(StateUnavailable):
+        await r.state.redis.call(lambda c: c.get("x"))
+    assert not await r.state.acquire_update_lock("o", 5) and not await r.state.publish_versions(r.core)
+    await r.state.release_update_lock("o")  # never raises

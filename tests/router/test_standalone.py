@@ -1,0 +1,116 @@
+"""``rollout-router serve`` on its own in front of existing vLLM servers (``replicas.urls``), in an
+interpreter where torch, vLLM, transformers and Ray cannot be imported: the real CLI in a
+subprocess, a fake vLLM server (``tests.router.fake_vllm``) on loopback, real signals."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from tests.router.fake_vllm import FakeVllm, serving
+
+REPO = Path(__file__).resolve().parents[2]
+CLI = Path(sys.executable).parent / "rollout-router"
+BLOCKED = ("torch", "vllm", "transformers", "ray")
+BLOCKER = f'''
+import sys
+class _Blocked:
+    """Any import of {BLOCKED} fails, as in an environment without them."""
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in {BLOCKED!r}:
+            raise ImportError(f"{{name}} is not installed here (tests.router.test_standalone)")
+        return None
+sys.meta_path.insert(0, _Blocked())
+'''
+PROMPT = [(7 * i + 3) % 900 + 8 for i in range(50)]
+"""50 token IDs: a repeat can hit (50 - 1) // 16 = 3 blocks of 16 (48 tokens), not 32 or 64."""
+
+
+@pytest.fixture
+def no_vllm_env(tmp_path):
+    """Environment for a subprocess in which torch, vLLM, transformers and Ray do not import."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(BLOCKER)
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(REPO)])}
+
+
+def write_config(tmp_path: Path, urls: list[str]) -> Path:
+    """A config that fronts ``urls`` and leaves ``replicas.block_size`` at its CPU default (32)."""
+    path = tmp_path / "router.yaml"
+    path.write_text("router:\n  port: 0\n  scrape_interval_s: 0.2\nreplicas:\n  urls:\n"
+                    + "".join(f"    - {u}\n" for u in urls))
+    return path
+
+
+async def start(config: Path, env: dict) -> tuple[asyncio.subprocess.Process, str]:
+    """Start the CLI; return it and the router's URL from its banner (60 s at most)."""
+    proc = await asyncio.create_subprocess_exec(str(CLI), "serve", "--config", str(config), env=env, cwd=REPO,
+                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    line = await asyncio.wait_for(proc.stdout.readline(), 60)
+    if b"serving" not in line:
+        proc.kill()
+        _, err = await proc.communicate()
+        pytest.fail(f"router did not start: {line!r} {err.decode()[-2000:]}")
+    return proc, line.decode().split(" at ")[1].split()[0]
+
+
+async def test_router_alone_serves_token_ids_with_the_servers_block_size(tmp_path, no_vllm_env):
+    fake = FakeVllm(block_size=16, num_gpu_blocks=2000)
+    async with serving(fake) as upstream:
+        proc, url = await start(write_config(tmp_path, [upstream]), no_vllm_env)
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
+                await check_serving(http, url, fake)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, err.decode()[-2000:]
+    assert b"rollout-router: stopped" in out
+    assert b"Traceback" not in err, err.decode()[-2000:]
+
+
+async def check_serving(http: aiohttp.ClientSession, url: str, fake: FakeVllm) -> None:
+    body = {"prompt": PROMPT, "max_tokens": 1, "session_id": "s-1"}
+    expected = []
+    for _ in range(2):
+        async with http.post(url + "/v1/completions", json=body) as resp:
+            assert resp.status == 200, await resp.text()
+            payload = await resp.json()
+            expected.append(int(resp.headers["X-Rollout-Expected-Cached-Tokens"]))
+        reported = payload["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert expected == [0, (len(PROMPT) - 1) // 16 * 16] == [0, 48]  # 16-token blocks: 3 of them
+    assert reported == 48  # what the fake's own prefix cache says
+    assert fake.bodies[-1]["prompt"] == PROMPT and fake.bodies[-1]["model"] == "fake-gpu-model"  # /v1/models
+    for path, text, param in [("/v1/completions", {"prompt": "hello there"}, "prompt"),
+                              ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, "messages"),
+                              ("/v1/score", {"context": "some text", "responses": [[9, 10]]}, "context")]:
+        async with http.post(url + path, json={**text, "max_tokens": 1}) as resp:
+            error = (await resp.json())["error"]
+            assert (resp.status, error["param"]) == (400, param), error
+            assert "text prompts need a tokenizer: set router.tokenizer" in error["message"]
+    sent = len(fake.bodies)
+    async with http.post(url + "/v1/completions", json={"prompt": PROMPT[:10] + [fake.vocab_size + 5]}) as resp:
+        error = (await resp.json())["error"]  # no vocabulary here: the replica's 400, naming our field
+        assert (resp.status, error["param"]) == (400, "prompt"), error
+        assert f"Token id {fake.vocab_size + 5} is out of vocabulary" in error["message"]
+    assert len(fake.bodies) == sent + 1
+    async with http.get(url + "/v1/models") as resp:
+        assert [m["id"] for m in (await resp.json())["data"]] == ["fake-gpu-model"]
+
+
+async def test_servers_that_disagree_on_block_size_are_one_line_refused(tmp_path, no_vllm_env):
+    async with serving(FakeVllm(block_size=16)) as a, serving(FakeVllm(block_size=32)) as b:
+        proc = await asyncio.create_subprocess_exec(
+            str(CLI), "serve", "--config", str(write_config(tmp_path, [a, b])), env=no_vllm_env, cwd=REPO,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        _, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 2
+    assert err.decode() == (f"rollout-router: cannot start: ReplicaSetConfig.urls[1] {b} has KV block size 32 but "
+                            f"replica-0 ({a}) has 16: every replica behind one router must use the same block size\n")
