@@ -23,6 +23,7 @@ from router.lifecycle import Lifecycle
 from router.metrics import RouterMetrics, metrics_middleware
 from router.pool import ReplicaPool
 from router.scrape import scrape_once
+from router.shutdown import SHUTDOWN
 from router.state import make_state
 from router.state.sync import state_sync_ctx
 from router.tokenize import PromptTokenizer
@@ -84,6 +85,8 @@ async def _http_session(app: web.Application) -> AsyncIterator[None]:
         app[keys.LIFECYCLE] = Lifecycle(cfg.router, app[keys.CORE], app[keys.POOL], app[keys.METRICS], http,
                                         shared=state)
         app[keys.WEIGHT_UPDATER] = admin.WeightUpdater(cfg, app[keys.LIFECYCLE])
+        if SHUTDOWN in app:  # a stopping router answers queued requests 503 + Retry-After at once
+            app[SHUTDOWN].on_drain.append(app[keys.LIFECYCLE].refuse_queued)
         try:
             yield
         finally:

@@ -37,6 +37,8 @@ from router.proxy import ReplicaUnreachable
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+SHUTDOWN_RETRY_AFTER_S = 5
+"""What a request refused by a stopping router is told to wait (``router.shutdown``)."""
 Attempt = Callable[[Job, ReplicaEndpoint], Awaitable[T]]
 
 
@@ -129,6 +131,9 @@ class Lifecycle:
             adm = await self._wait(job)
         if adm.verdict == "reject":
             self.metrics.admission_rejected.labels(adm.reason).inc()
+            if adm.reason == "shutdown":
+                raise NoReplica("the router is shutting down; retry on another router or later",
+                                headers={"Retry-After": str(SHUTDOWN_RETRY_AFTER_S)})
             raise _overloaded(adm)
         if adm.verdict == "replica_gone":
             return False
@@ -143,15 +148,22 @@ class Lifecycle:
         try:
             while not future.done():
                 left = started + self.queue_timeout_s - self.clock()
-                try:
-                    await asyncio.wait_for(asyncio.shield(future), max(left, 0.0) + 0.01)
-                except asyncio.TimeoutError:
+                try:  # asyncio.timeout: 3.11's wait_for can swallow a cancel that races the result
+                    async with asyncio.timeout(max(left, 0.0) + 0.01):
+                        await asyncio.shield(future)
+                except TimeoutError:
                     self._deliver(self.core.pump(self.clock()))  # expires it when its time is up
             adm = future.result()
             self.metrics.admission_wait.observe(self.clock() - started)
             return adm
         finally:
             self._waiters.pop(job.id, None)
+
+    def refuse_queued(self) -> None:
+        """The router is stopping (``router.shutdown`` hook): every queued request is answered
+        503 with Retry-After at once; in-flight ones run on."""
+        self.core.refuse_queued("shutdown", self.clock())
+        self.pump()
 
     def pump(self) -> None:
         """Admit what fits now (after a scrape, a finish or a replica event)."""
@@ -206,8 +218,9 @@ class Lifecycle:
         """Wait until the rotation changes; False on timeout."""
         self._rotation_changed.clear()
         try:
-            await asyncio.wait_for(self._rotation_changed.wait(), timeout_s)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(timeout_s):
+                await self._rotation_changed.wait()
+        except TimeoutError:
             return False
         return True
 
