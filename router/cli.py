@@ -101,6 +101,9 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--num-replicas", type=int, default=None, help="override replicas.num_replicas")
         p.add_argument("--log-level", default="WARNING", help="DEBUG | INFO | WARNING | ERROR (default: WARNING)")
     add_dataclass_flags(serve, RouterConfig)
+    from router.state.status import add_status_parser
+
+    add_status_parser(sub)
     return parser
 
 
@@ -166,6 +169,10 @@ class _Signals:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "status":  # the routers sharing one Redis (router.state.status)
+        from router.state.status import run_status
+
+        return run_status(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         cfg = _config(args)
