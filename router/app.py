@@ -22,7 +22,7 @@ from router.kv_events import KV_EVENTS, kv_events_ctx
 from router.lifecycle import Lifecycle
 from router.metrics import RouterMetrics, metrics_middleware
 from router.pool import ReplicaPool
-from router.scrape import scrape_once
+from router.scrape import ScrapeRounds
 from router.shutdown import SHUTDOWN
 from router.state import make_state
 from router.state.sync import state_sync_ctx
@@ -102,22 +102,24 @@ async def _scraper(app: web.Application) -> AsyncIterator[None]:
     if interval <= 0:
         yield
         return
-    task = asyncio.create_task(_scrape_loop(app, interval))
+    rounds = ScrapeRounds()
+    task = asyncio.create_task(_scrape_loop(app, interval, rounds))
     yield
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
+    await rounds.close()
 
 
-async def _scrape_loop(app: web.Application, interval_s: float) -> None:
+async def _scrape_loop(app: web.Application, interval_s: float, rounds: ScrapeRounds) -> None:
     """Scrape every replica each ``interval_s`` seconds; each round wakes the admission queue.
-    Survives anything one replica or one round throws (logged once per cause)."""
+    Survives anything one replica or one round throws (logged once per cause); a replica that
+    hangs holds up no round (``ScrapeRounds``)."""
     http, pool, metrics, core = app[keys.HTTP], app[keys.POOL], app[keys.METRICS], app[keys.CORE]
     seen: set[str] = set()
     while True:
         started = time.monotonic()
-        results = await asyncio.gather(*(scrape_once(http, s, core, metrics, started) for s in list(pool.states())),
-                                       return_exceptions=True)
+        results = await rounds.run(http, pool, core, metrics, started, wait_s=interval_s)
         for exc in results:
             if isinstance(exc, Exception) and repr(type(exc)) not in seen:
                 seen.add(repr(type(exc)))

@@ -11,8 +11,9 @@ import logging
 import aiohttp
 
 from cache_policy.core import DecisionCore, ReplicaLoad
+from cache_policy.types import ReplicaId
 from router.metrics import RouterMetrics
-from router.pool import ReplicaState
+from router.pool import ReplicaPool, ReplicaState
 from replicas.metrics import parse_vllm_metrics
 
 log = logging.getLogger(__name__)
@@ -48,3 +49,37 @@ async def scrape_once(http: aiohttp.ClientSession, state: ReplicaState, core: De
                                            m.num_preemptions), started_at)
         metrics.kv_usage.labels(rid).set(m.kv_cache_usage)
     metrics.healthy.labels(rid).set(1 if rid in core.replicas and core.replicas[rid].healthy else 0)
+
+
+class ScrapeRounds:
+    """The scrape loop's rounds: at most one scrape per replica in flight, and a round waits for
+    them at most ``wait_s``. A replica that hangs (until ``SCRAPE_TIMEOUT_S``) holds up neither the
+    round nor the other replicas' scrapes; its scrape finishes (or fails) in a later round."""
+
+    def __init__(self) -> None:
+        self._pending: dict[ReplicaId, asyncio.Task] = {}
+
+    async def run(self, http: aiohttp.ClientSession, pool: ReplicaPool, core: DecisionCore,
+                  metrics: RouterMetrics, started_at: float, wait_s: float) -> list[BaseException]:
+        """Start a scrape of every replica with none in flight, wait up to ``wait_s`` seconds;
+        return the exceptions of the scrapes that ended (``scrape_once`` raised: a bug, logged by the caller)."""
+        for state in list(pool.states()):
+            rid = state.endpoint.replica_id
+            if rid not in self._pending:
+                self._pending[rid] = asyncio.create_task(scrape_once(http, state, core, metrics, started_at))
+        if self._pending:
+            await asyncio.wait(list(self._pending.values()), timeout=wait_s)
+        errors: list[BaseException] = []
+        for rid, task in list(self._pending.items()):
+            if task.done():
+                del self._pending[rid]
+                if not task.cancelled() and task.exception() is not None:
+                    errors.append(task.exception())
+        return errors
+
+    async def close(self) -> None:
+        """Cancel the scrapes still in flight (the router is stopping)."""
+        tasks, self._pending = list(self._pending.values()), {}
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,129 @@
+"""The metrics scrape loop outlives garbage from its replicas (issue 12).
+
+A real router app scrapes five loopback targets every 0.1 s: one answers a real vLLM metrics page,
+the others answer HTML, invalid UTF-8, nothing at all (a hang), or refuse the connection. The loop
+must keep scraping the good one at its own pace (a hang holds no round up), take the broken ones
+out of rotation by the rule in ``router.scrape`` (refused: at once; else after
+``FAILURES_OUT_OF_ROTATION`` failures in a row), and put each back once it answers properly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import socket
+import time
+
+import pytest
+from aiohttp import web
+
+from cache_policy.types import ReplicaId
+from replicas.replica_set import ReplicaEndpoint
+from router import keys
+from router.config import AppConfig
+from router.scrape import FAILURES_OUT_OF_ROTATION
+from router.server import running_router
+from tests.router.edge_fixtures import tiny_tokenizer
+from tests.router.fake_vllm import metrics_page
+
+pytestmark = pytest.mark.asyncio(loop_scope="function")
+
+INTERVAL_S = 0.1
+KV_USAGE = 0.375
+"""The KV usage the good page reports (the captured page's value replaced)."""
+GOOD_PAGE = re.sub(r"(vllm:kv_cache_usage_perc\{[^}]*\}) [0-9.e+-]+", rf"\1 {KV_USAGE}", metrics_page(32, 1000))
+GARBAGE = {
+    "html": (b"<!doctype html><html><body><h1>502 Bad Gateway</h1></body></html>", "text/html"),
+    "utf8": (b"vllm:num_requests_running 1\n\xff\xfe\xc3\x28 not utf-8 \x80\x81\n", "text/plain"),
+}
+
+
+class Target:
+    """One scrape target: answers ``mode`` (good | html | utf8 | hang) and counts its scrapes."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode, self.scrapes = mode, 0
+        self.release = asyncio.Event()
+
+    async def metrics(self, _: web.Request) -> web.Response:
+        self.scrapes += 1
+        if self.mode == "hang":
+            await self.release.wait()  # a wedged server: accepts, never answers until told
+        if self.mode in GARBAGE:
+            body, ctype = GARBAGE[self.mode]
+            return web.Response(body=body, content_type=ctype)
+        return web.Response(text=GOOD_PAGE, content_type="text/plain")
+
+
+async def _serve(target: Target, port: int = 0) -> tuple[web.AppRunner, int]:
+    app = web.Application()
+    app.router.add_get("/metrics", target.metrics)
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", port)
+    await site.start()
+    return runner, site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def _until(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for: {what}"
+        await asyncio.sleep(0.02)
+
+
+async def test_html_bad_utf8_a_hang_and_a_refused_connection_do_not_stop_the_scrape_loop(caplog):
+    targets = {name: Target(name) for name in ("good", "html", "utf8", "hang")}
+    runners, endpoints = [], []
+    for name, target in targets.items():
+        runner, port = await _serve(target)
+        runners.append(runner)
+        endpoints.append(ReplicaEndpoint(ReplicaId(name), f"http://127.0.0.1:{port}", 32, 1000, "tiny-llama"))
+    refused_port = _free_port()
+    endpoints.append(ReplicaEndpoint(ReplicaId("refused"), f"http://127.0.0.1:{refused_port}", 32, 1000,
+                                     "tiny-llama"))
+    cfg = AppConfig().replace(router={"port": 0, "scrape_interval_s": INTERVAL_S, "kv_events": False})
+    try:
+        async with running_router(cfg, endpoints, tiny_tokenizer()) as (_, app):
+            core = app[keys.CORE]
+            healthy = lambda rid: core.replicas[ReplicaId(rid)].healthy  # noqa: E731
+            await _until(lambda: not healthy("refused"), 5, "a refused connection takes its replica out at once")
+            await _until(lambda: not healthy("html") and not healthy("utf8"), 5,
+                         f"{FAILURES_OUT_OF_ROTATION} garbage answers in a row take a replica out")
+            assert targets["html"].scrapes >= FAILURES_OUT_OF_ROTATION <= targets["utf8"].scrapes
+
+            # the good replica keeps being scraped at the loop's pace while the hang holds its scrape
+            assert targets["hang"].scrapes == 1
+            before, started = targets["good"].scrapes, time.monotonic()
+            await asyncio.sleep(1.0)
+            elapsed = time.monotonic() - started
+            # a round waits at most one interval for its scrapes, then sleeps one: >= 1 scrape per 2 intervals
+            assert targets["good"].scrapes - before >= 0.4 * elapsed / INTERVAL_S, (targets["good"].scrapes, before)
+            assert healthy("good") and core.replicas[ReplicaId("good")].load.kv_cache_usage == KV_USAGE
+            assert targets["hang"].scrapes == 1  # one scrape at a time per replica, never a pile-up
+
+            # every broken target comes back once it answers properly: the loop is alive
+            for name in ("html", "utf8", "hang"):
+                targets[name].mode = "good"
+            targets["hang"].release.set()
+            late = Target("good")
+            runner, _ = await _serve(late, refused_port)
+            runners.append(runner)
+            await _until(lambda: all(healthy(r) for r in ("html", "utf8", "hang", "refused")), 5,
+                         "every replica healthy again")
+            for name in ("html", "utf8", "hang", "refused"):
+                assert core.replicas[ReplicaId(name)].load.kv_cache_usage == KV_USAGE, name
+            assert late.scrapes >= 1
+    finally:
+        for target in targets.values():
+            target.release.set()
+        for runner in runners:
+            await runner.cleanup()
+    logged = [r.getMessage() for r in caplog.records if "logged once per cause" in r.getMessage()]
+    assert len(logged) == len(set(logged))  # once per cause, not once per round
