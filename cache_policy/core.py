@@ -41,14 +41,16 @@ from cache_policy.salts import WeightUpdatePolicy
 from cache_policy.types import Decision, ReplicaId, ReplicaView, RequestKind, RequestView
 from cache_policy.versions import SaltChoice, VersionBook
 
-Outcome = Literal["ok", "refused", "down", "unreachable", "retry", "cancelled", "failed"]
+Outcome = Literal["ok", "refused", "down", "unreachable", "retry", "preempted", "cancelled", "failed"]
 """How a job ended: ``ok``; ``refused`` (the replica answered 4xx: it prefilled nothing);
 ``down`` (connection refused: the replica is marked unhealthy at once, the job may be placed
 again); ``unreachable`` (the connection failed, also on a fresh one: one more consecutive
 failure of the replica, which leaves rotation at ``failures_out_of_rotation``; the job may be
 placed again); ``retry`` (the replica failed it before anything reached the client, e.g. a scoring
-row missing: the job may be placed again, the replica stays); ``cancelled`` (the client went
-away); ``failed`` (any other error after dispatch)."""
+row missing: the job may be placed again, the replica stays); ``preempted`` (a weight update
+took the job back before anything reached the client, or its replica's version changed while
+it ran: placed again, on the same replica too, no failure counted); ``cancelled`` (the client
+went away); ``failed`` (any other error after dispatch)."""
 
 
 @dataclass(frozen=True)
@@ -189,6 +191,7 @@ class DecisionCore:
         self.registry.drop_replica(rid)
         if version is not None:
             self.versions.set_loaded(rid, version)
+        self.versions.cache_reset(rid)
 
     def set_health(self, rid: ReplicaId, healthy: bool) -> None:
         """Health from a scrape or a failed dispatch; an unhealthy replica's queue comes back."""
@@ -209,8 +212,10 @@ class DecisionCore:
             self.admission.ledger.scraped_at[rid] = scrape_started_at
 
     def cache_reset(self, rid: ReplicaId) -> None:
-        """``rid``'s prefix cache was emptied (a confirmed reset): predict no hits there."""
+        """``rid``'s prefix cache was emptied (a confirmed reset): predict no hits there; its
+        cache now holds KV of its loaded version only."""
         self.policy.on_cache_reset(rid)
+        self.versions.cache_reset(rid)
 
     def version_loaded(self, rid: ReplicaId, version: int | None) -> None:
         """``rid`` now serves ``version`` (None: unknown, after a failed reload)."""
@@ -221,11 +226,14 @@ class DecisionCore:
         self.versions.finish_update(version, policy)
 
     def set_rotation(self, rid: ReplicaId, reason: str | None) -> None:
-        """Take ``rid`` out of rotation for ``reason``, or (None) put it back."""
+        """Take ``rid`` out of rotation for ``reason``, or (None) put it back. Jobs queued for
+        ``rid`` come back from ``pump`` as ``replica_gone`` (placed again: a weight update must
+        not find them admitted to a paused engine, nor run them on weights they were not salted for)."""
         if reason is None:
             self.versions.rotation.pop(rid, None)
         else:
             self.versions.rotation[rid] = reason
+            self._drop_queue(rid)
 
     def adopt_pin(self, kind: str, key: str | None, rid: ReplicaId | None,
                   start_version: int | None = None, now: float | None = None) -> None:
@@ -314,7 +322,7 @@ class DecisionCore:
         self.registry.advance(now)
         self._sweep(now)
         choice = self.versions.assign(self.registry, spec.session_id, spec.group_id, spec.weight_version,
-                                      spec.tenant)
+                                      spec.tenant, scoring=spec.kind == "score")
         hashes = tuple(block_hashes(spec.token_ids, self.block_size, choice.salt))
         view = RequestView(hashes, len(spec.token_ids), spec.session_id, spec.group_id, spec.kind,
                            spec.weight_version, spec.fan_out)
@@ -327,6 +335,7 @@ class DecisionCore:
         that replica alone (``follow_pin``)."""
         assert job.decision is None and not job.done, "bug: place() on a placed or finished job"
         self.registry.advance(now)
+        self._settle_version(job)
         candidates = [v for v in self._candidates(job) if only is None or v.replica_id == only]
         decision = self.policy.select(job.view, candidates)
         if decision is None:
@@ -395,13 +404,54 @@ class DecisionCore:
             if outcome in ("refused", "down", "unreachable") or (outcome == "cancelled" and job.ticket is None):
                 self._undo(job)
             self._count_failure(rid, outcome)
-        if outcome in ("down", "unreachable", "retry") and rid is not None:
-            job.tried.append(rid)
+        if outcome in ("down", "unreachable", "retry", "preempted") and rid is not None:
+            if outcome != "preempted":
+                job.tried.append(rid)
             job.decision, job.admission = None, None
             return
         job.done = True
         if outcome == "ok" and job.spec.ends_session and job.spec.session_id is not None:
             self.end_session(job.spec.session_id)
+
+    def dispatchable(self, job: Job) -> bool:
+        """Whether the admitted ``job`` may be sent now: its replica is still in rotation and
+        serves the version it was placed for (a weight update may have begun while it waited
+        on shared state). False: finish it ``preempted`` and place it again."""
+        rid = job.replica_id
+        if rid is None or rid in self.versions.rotation:
+            return False
+        return self.versions.loaded.get(rid) == job.weight_version
+
+    def kv_versions(self, job: Job) -> list[int]:
+        """Versions whose weights computed the KV ``job`` may reuse on its replica
+        (``VersionBook.kv_versions``); [] before it is placed."""
+        rid = job.replica_id
+        return self.versions.kv_versions(rid, job.choice) if rid is not None else []
+
+    def too_stale(self, requested: int | None, max_staleness: int | None) -> bool:
+        """A request tagged ``requested`` is more than ``max_staleness`` versions behind the
+        current one (``VersionBook.too_stale``; answer 409 naming both)."""
+        return self.versions.too_stale(requested, max_staleness)
+
+    def _settle_version(self, job: Job) -> None:
+        """A strict job (``choice.pins_version``) whose version no eligible replica serves is
+        re-salted for the newest version one serves, so no token of it is computed by one
+        version's weights over another's KV (README "Version contract")."""
+        choice = job.choice
+        if not choice.pins_version:
+            return
+        eligible = {self.versions.loaded.get(rid) for rid, rec in self.replicas.items()
+                    if rec.healthy and rid not in self.versions.rotation and rid not in job.tried}
+        eligible.discard(None)
+        if not eligible or choice.version in eligible:
+            return
+        new = self.versions.choice_for(max(eligible), job.spec.tenant)
+        for kind, key in (("session", job.spec.session_id), ("group", job.spec.group_id)):
+            rec = self.registry.record_of(kind, key) if key is not None else None  # type: ignore[arg-type]
+            if rec is not None and rec.start_version == choice.version:
+                rec.start_version = new.version
+        job.choice = new
+        job.view = replace(job.view, block_hashes=tuple(block_hashes(job.spec.token_ids, self.block_size, new.salt)))
 
     def _refresh_expected(self, job: Job, now: float) -> None:
         index = self.prefix_index()

@@ -9,6 +9,17 @@ DESIGN rules 4 and 6, seed 003 ("The cache after a weight update"). The book hol
     loaded     per replica, the version it serves
     log        per replica, the versions loaded over time: what a request saw while it ran
     rotation   replicas kept out of routing, with the reason ("updating", "failed: <why>")
+    cached     per replica, the versions whose KV its prefix cache may hold (since its last
+               confirmed reset): what an unsalted request there may reuse
+
+The version contract (DESIGN rule 6, README "Version contract"): a request whose salt names
+version s is *strict* (``SaltChoice.pins_version``) unless it is a keep+salt session or group
+continuing from an older start. A strict request runs only on a replica serving s; when no
+eligible replica does, the core re-salts it for a version one serves (:meth:`VersionBook.choice_for`),
+so its tokens are computed by the weights whose KV it reuses. Versions only grow on a replica,
+so the namespace of s on a replica serving s holds KV computed by s alone. Scoring is strict under
+every policy: it is salted by its own version even under ``keep`` (never under ``flush``, whose
+caches are emptied at every update) and never inherits a session's start salt.
 
 A session's or group's start version lives in its ``KeyRegistry`` record, kept while the key is
 alive (in flight, or touched within ``PolicyConfig.key_ttl_s``), so a tool call longer than
@@ -71,6 +82,7 @@ class VersionBook:
         self.loaded: dict[ReplicaId, int | None] = {}
         self._log: dict[ReplicaId, list[int]] = {}
         self.rotation: dict[ReplicaId, str] = {}
+        self._cached: dict[ReplicaId, list[int]] = {}
 
     # -- salts --------------------------------------------------------------------------------
 
@@ -83,8 +95,11 @@ class VersionBook:
         return self.history[i - 1] if i else requested
 
     def assign(self, registry: KeyRegistry, session_id: str | None, group_id: str | None,
-               requested: int | None, tenant: str | None = None) -> SaltChoice:
-        """Salt for one request; records the version a new session or group starts under."""
+               requested: int | None, tenant: str | None = None, *, scoring: bool = False) -> SaltChoice:
+        """Salt for one request; records the version a new session or group starts under.
+
+        ``scoring``: a scoring request, salted by its own version under every policy but
+        ``flush`` (scoring is never hybrid), whatever its session started under."""
         version = self.resolve(requested)
         started = None
         for kind, key in (("session", session_id), ("group", group_id)):
@@ -93,11 +108,45 @@ class VersionBook:
                 if rec.start_version is None:
                     rec.start_version = version
                 started = rec.start_version if started is None else started
+        if scoring:
+            salt = None if self.policy == "flush" else cache_salt_for_version(version)
+            return SaltChoice(tenant_salt(salt, tenant), version, None if salt is None else version)
         salt = choose_salt(self.policy, version, started, version)
         salt_version = None
         if salt is not None:
             salt_version = started if salt == cache_salt_for_version(started) else version
         return SaltChoice(tenant_salt(salt, tenant), version, salt_version)
+
+    def choice_for(self, version: int, tenant: str | None) -> SaltChoice:
+        """A strict choice for ``version`` (its salt, tenant folded in): a strict request
+        re-salted because no eligible replica serves the version it was tagged for."""
+        salt = cache_salt_for_version(version)
+        return SaltChoice(tenant_salt(salt, tenant), version, version)
+
+    def too_stale(self, requested: int | None, max_staleness: int | None) -> bool:
+        """Whether a request tagged ``requested`` is older than ``current`` by more than
+        ``max_staleness`` versions (the asynchronous-RL off-policyness bound; None: off)."""
+        return (max_staleness is not None and requested is not None and self.current is not None
+                and self.current - requested > max_staleness)
+
+    def kv_versions(self, rid: ReplicaId, choice: SaltChoice) -> list[int]:
+        """Versions whose weights computed the KV a request with ``choice`` may reuse on ``rid``.
+
+        Strict and salted: its salt's version alone. Salted, continuing a keep+salt key: its
+        salt's version and every later version ``rid``'s cache has seen (hybrid blocks written
+        into that namespace). Unsalted: every version ``rid``'s cache has seen since its last
+        confirmed reset (``flush`` resets at each update, so one version)."""
+        cached = self._cached.get(rid) or ([] if self.loaded.get(rid) is None else [self.loaded[rid]])
+        if choice.salt_version is None:
+            return list(cached)
+        if choice.pins_version:
+            return [choice.salt_version]
+        return sorted({choice.salt_version} | {v for v in cached if v >= choice.salt_version})
+
+    def cache_reset(self, rid: ReplicaId) -> None:
+        """``rid``'s prefix cache was emptied: from now on it holds KV of its loaded version only."""
+        version = self.loaded.get(rid)
+        self._cached[rid] = [] if version is None else [version]
 
     # -- loaded versions and the per-replica log ------------------------------------------------
 
@@ -107,6 +156,9 @@ class VersionBook:
         log = self._log.setdefault(rid, [])
         if version is not None and (not log or log[-1] != version):
             log.append(version)
+            cached = self._cached.setdefault(rid, [])
+            if version not in cached:
+                cached.append(version)
             if version not in self.history:
                 bisect.insort(self.history, version)
 
@@ -130,6 +182,7 @@ class VersionBook:
         """``rid`` left the fleet."""
         self.loaded.pop(rid, None)
         self._log.pop(rid, None)
+        self._cached.pop(rid, None)
         self.rotation.pop(rid, None)
 
     # -- rotation -----------------------------------------------------------------------------
@@ -137,14 +190,13 @@ class VersionBook:
     def excluded(self, choice: SaltChoice, healthy: list[ReplicaId]) -> set[ReplicaId]:
         """Replicas a request with ``choice`` must not be routed to.
 
-        Out of rotation always; and, for a salted request, replicas not serving its version
-        while some healthy replica in rotation does (``healthy``: the healthy replica ids).
-        """
+        Out of rotation always; and, for a strict request (``choice.pins_version``), every
+        replica not serving its version, even when none does (the core then re-salts it:
+        ``DecisionCore.place``). ``healthy``: the healthy replica ids (unused by the rule now,
+        kept for callers)."""
         out = set(self.rotation)
         if choice.pins_version:
-            serving = {r for r in healthy if r not in out and self.loaded.get(r) == choice.version}
-            if serving:
-                out |= {r for r in self.loaded if r not in serving}
+            out |= {r for r, v in self.loaded.items() if v != choice.version}
         return out
 
     def updating(self) -> bool:

@@ -78,7 +78,7 @@ def test_salted_requests_go_to_replicas_serving_their_version():
     old = b.assign(0.0, weight_version=0)
     assert old.salt == "rr:v0" and b.v.excluded(old, [A, B]) == {A}
     b.v.rotation[A] = "updating"
-    assert b.v.excluded(new, [A, B]) == {A}  # nobody in rotation serves v1: only rotation applies
+    assert b.v.excluded(new, [A, B]) == {A, B}  # nobody in rotation serves v1: the core re-salts it
     assert b.v.updating()
     del b.v.rotation[A]
     assert not b.v.updating()
@@ -108,3 +108,41 @@ def test_a_tenant_is_folded_into_every_salt(policy):
     b = Book(policy)
     mine, theirs, none = (b.assign(0.0, tenant=t).salt for t in ("a", "b", None))
     assert mine != theirs and None not in (mine, theirs) and none not in (mine, theirs)
+
+
+def test_scoring_is_salted_by_its_own_version_under_every_policy_but_flush():
+    for policy in ("keep", "salt", "keep+salt"):
+        b = Book(policy)
+        b.assign(0.0, session_id="s")  # the session starts under v0
+        b.update(1)
+        score = b.v.assign(b.reg, "s", None, None, scoring=True)
+        assert (score.salt, score.version, score.salt_version, score.pins_version) == ("rr:v1", 1, 1, True)
+    flush = Book("flush")
+    assert flush.v.assign(flush.reg, None, None, None, scoring=True).salt is None
+
+
+def test_kv_versions_strict_continuing_and_unsalted():
+    b = Book("keep+salt")
+    old = b.assign(0.0, session_id="old")
+    b.update(1)
+    kept = b.assign(1.0, session_id="old")
+    assert (kept.salt_version, kept.pins_version) == (0, False)
+    assert b.v.kv_versions(A, kept) == [0, 1]  # v0 blocks and the hybrid blocks v1 wrote since
+    new = b.assign(1.0, session_id="new")
+    assert b.v.kv_versions(A, new) == [1]
+    assert b.v.kv_versions(A, old) == [0]  # strict on a v0 replica: v0's namespace only
+    unsalted = Book("keep")
+    unsalted.update(1)
+    plain = unsalted.assign(0.0)
+    assert unsalted.v.kv_versions(A, plain) == [0, 1]  # keep: the cache holds both versions
+    unsalted.v.cache_reset(A)
+    assert unsalted.v.kv_versions(A, plain) == [1]  # a confirmed reset: only what is loaded
+
+
+def test_choice_for_and_staleness():
+    b = Book("salt")
+    b.update(5)
+    again = b.v.choice_for(5, "t")
+    assert (again.salt, again.version, again.salt_version) == ("rr:v5|t=t", 5, 5) and again.pins_version
+    assert not b.v.too_stale(2, None)  # off by default
+    assert not b.v.too_stale(3, 2) and b.v.too_stale(2, 2) and not b.v.too_stale(None, 0)

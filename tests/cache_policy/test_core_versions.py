@@ -1,0 +1,95 @@
+"""DecisionCore and the version contract (issue 10): strict jobs never run on weights they were not
+salted for, an update's rotation sends queued jobs back, preempted jobs come back to the same
+replica without counting a failure, and a job admitted across the start of an update is not sent.
+
+Driven the way ``router.lifecycle`` drives the core, on a fake clock.
+"""
+
+from __future__ import annotations
+
+from cache_policy.config import PolicyConfig
+from cache_policy.core import DecisionCore, RequestSpec
+from cache_policy.hashing import block_hashes
+from cache_policy.types import ReplicaId
+
+A, B = ReplicaId("a"), ReplicaId("b")
+PROMPT = list(range(2000, 2100))
+
+
+def fleet(policy: str = "salt", **cfg) -> DecisionCore:
+    core = DecisionCore(PolicyConfig(**{"queue_timeout_s": 5.0, **cfg}), weight_update_policy=policy)
+    for rid in (A, B):
+        core.add_replica(rid, block_size=32, num_gpu_blocks=400)
+    return core
+
+
+def update(core: DecisionCore, rid: ReplicaId, version: int) -> None:
+    core.version_loaded(rid, version)
+    core.finish_update(version, core.versions.policy)
+
+
+def test_a_request_tagged_for_a_version_nobody_serves_is_resalted_for_the_one_that_computes_it():
+    core = fleet("salt")
+    update(core, A, 1)
+    update(core, B, 1)
+    job = core.open(RequestSpec(PROMPT, session_id="s", weight_version=0), 0.0)
+    assert job.salt == "rr:v0"
+    decision = core.place(job, 0.0)
+    assert decision is not None and job.weight_version == 1
+    assert (job.salt, job.choice.salt_version) == ("rr:v1", 1)  # salt names the weights that run it
+    assert job.view.block_hashes == tuple(block_hashes(PROMPT, 32, "rr:v1"))
+    assert core.kv_versions(job) == [1]
+    assert core.registry.get("session", "s").start_version == 1
+
+
+def test_while_one_replica_still_serves_the_old_version_the_tagged_request_goes_there():
+    core = fleet("salt")
+    update(core, A, 1)
+    job = core.open(RequestSpec(PROMPT, weight_version=0), 0.0)
+    assert core.place(job, 0.0).replica_id == B and job.salt == "rr:v0" and job.weight_version == 0
+    new = core.open(RequestSpec(PROMPT), 0.0)
+    assert core.place(new, 0.0).replica_id == A and new.salt == "rr:v1"
+
+
+def test_scoring_under_keep_plus_salt_ignores_the_session_start_and_stays_on_its_version():
+    core = fleet("keep+salt")
+    gen = core.open(RequestSpec(PROMPT, session_id="s"), 0.0)
+    core.place(gen, 0.0)
+    core.finish(gen, "ok", 0.0)
+    update(core, A, 1)  # B still on v0
+    turn = core.open(RequestSpec(PROMPT, session_id="s"), 1.0)
+    assert turn.salt == "rr:v0" and not turn.choice.pins_version  # the allowed hybrid: continuing
+    score = core.open(RequestSpec(PROMPT, session_id="s", kind="score", fan_out=2), 1.0)
+    assert score.salt == "rr:v1" and core.place(score, 1.0).replica_id == A
+    assert core.kv_versions(score) == [1] and score.weight_version == 1
+
+
+def test_taking_a_replica_out_sends_its_queue_back_and_a_late_admit_is_not_dispatchable():
+    core = fleet("salt", max_queue=8)
+    core.replicas[B].healthy = False
+    big = core.open(RequestSpec(list(range(30_000)) [:12_000], new_tokens=400), 0.0)
+    core.place(big, 0.0)
+    assert core.admit(big, 0.0).verdict == "admit"
+    queued = core.open(RequestSpec(list(range(50_000, 62_000)), new_tokens=400), 0.0)
+    core.place(queued, 0.0)
+    assert core.admit(queued, 0.0).verdict == "queue"
+    core.set_rotation(A, "updating")
+    back = core.pump(0.1)
+    assert [(j.id, a.verdict) for j, a in back] == [(queued.id, "replica_gone")]
+    assert not core.dispatchable(big)  # admitted before, not yet sent: must be placed again
+    core.finish(big, "preempted", 0.2)
+    assert not big.done and big.tried == [] and core.replicas[A].failures == 0 and core.in_flight(A) == 0
+    core.set_rotation(A, None)
+    update(core, A, 1)
+    assert core.place(big, 0.3).replica_id == A  # the same replica, after its update
+    assert big.weight_version == 1 and big.salt == "rr:v1" and core.dispatchable(big)
+
+
+def test_a_preempted_job_keeps_its_place_in_no_tried_list_and_counts_no_failure():
+    core = fleet("keep", failures_out_of_rotation=1)
+    job = core.open(RequestSpec(PROMPT), 0.0)
+    rid = core.place(job, 0.0).replica_id
+    core.admit(job, 0.0)
+    core.finish(job, "preempted", 0.0)
+    assert core.replicas[rid].healthy and job.tried == [] and not job.done
+    core.check_integrity()
