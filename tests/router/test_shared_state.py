@@ -157,3 +157,66 @@ async def test_make_state_validates():
         make_state("redis", None)
     with pytest.raises(ValueError, match="router.state"):
         make_state("disk", None)
+
+
+async def test_a_replica_added_restarted_drained_and_removed_through_one_router_is_followed_by_another(redis_url):
+    from replicas.events import ReplicaEvent
+    from router.fleet import on_replica_event
+
+    p = prefix()
+    a, b = Router(redis_url, p), Router(redis_url, p)
+    for r in (a, b):
+        await r.state.sync_round()
+    r2 = ReplicaId("replica-2")
+    added = ReplicaEndpoint(r2, "http://127.0.0.1:3", 32, 100, "m", api_key="secret")
+    steps = [("added", added, "http://127.0.0.1:3", None),
+             ("restarted", ReplicaEndpoint(r2, "http://127.0.0.1:4", 32, 100, "m"), "http://127.0.0.1:4", None),
+             ("draining", None, "http://127.0.0.1:4", "draining")]
+    for kind, endpoint, url, rotation in steps:
+        on_replica_event(a.app, ReplicaEvent(kind, r2, endpoint or a.app[keys.POOL].get(r2).endpoint))
+        await a.state.sync_round()
+        await b.state.sync_round()
+        assert r2 in b.core.replicas and b.app[keys.POOL].get(r2).endpoint.base_url == url, kind
+        assert b.core.versions.rotation.get(r2) == rotation, kind
+    assert b.app[keys.POOL].get(r2).endpoint.api_key is None  # keys never travel through Redis
+    assert "secret" not in str(await a.state.redis.call(lambda c: c.hgetall(p + "replicas")))
+    on_replica_event(a.app, ReplicaEvent("removed", r2, a.app[keys.POOL].get(r2).endpoint))
+    await a.state.sync_round()
+    await b.state.sync_round()
+    assert r2 not in b.core.replicas and r2 not in b.app[keys.POOL].ids()
+    rounds = a.state.registry.seq.copy()
+    await a.state.sync_round()
+    await b.state.sync_round()
+    assert a.state.registry.seq == rounds  # nothing changed: nothing written again
+
+
+async def test_status_lists_live_routers_and_names_a_disagreement(redis_url):
+    import sys
+
+    p = prefix()
+    a, b = Router(redis_url, p), Router(redis_url, p)
+    for r in (a, b):
+        await r.state.start(r.app, r.core)
+    loops = [asyncio.create_task(r.state.run()) for r in (a, b)]
+
+    async def status() -> tuple[int, str]:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "router.cli", "status", "--redis-url", redis_url, "--redis-prefix", p,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        out, err = await asyncio.wait_for(proc.communicate(), 60)
+        return proc.returncode, out.decode() + err.decode()
+
+    try:
+        code, out = await status()
+        assert code == 0, out
+        assert "2 router(s) alive" in out and a.state.router_id in out and b.state.router_id in out
+        b.core.version_loaded(R0, 9)  # B's own view differs from A's
+        await asyncio.sleep(0.3)
+        code, out = await status()
+        assert code == 1, out
+        line = next(x for x in out.splitlines() if "replica-0 version:" in x)
+        assert f"{a.state.router_id}=0" in line and f"{b.state.router_id}=9" in line
+    finally:
+        for task in loops:
+            task.cancel()
+        await asyncio.gather(*loops, return_exceptions=True)
