@@ -137,7 +137,8 @@ class RedisState:
                 await self.versions.restore(core, bool(others))
             elif int(epoch) > self.versions.applied:
                 await self.versions.fetch(core)
-            await self.registry.pull(self.app, t)
+            if await self.registry.pull(self.app, t):
+                self.versions.reapply(core)
             await self.registry.push(self.app, t)
             if restarted or self._reconcile or self.pins.dirty:
                 await self.pins.republish(core, everything=restarted, timeout_s=4 * t)
@@ -196,8 +197,8 @@ class RedisState:
                 self.pins.on_event(core, fields)
             elif kind == "versions" and fields and int(fields[0]) > self.versions.applied:
                 await self.versions.fetch(core)
-            elif kind == "replicas":
-                await self.registry.pull(self.app, self.background_timeout_s)
+            elif kind == "replicas" and await self.registry.pull(self.app, self.background_timeout_s):
+                self.versions.reapply(core)
         except StateUnavailable:
             pass
 

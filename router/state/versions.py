@@ -41,6 +41,13 @@ class VersionSync:
         """The configured versions, published if Redis holds none and no other router is alive."""
         self.missing = False
         """Redis holds no snapshot although this router has one (restarted empty): re-publish."""
+        self.last: dict | None = None
+        """The last snapshot applied from Redis (re-applied to replicas the registry adds later)."""
+
+    def reapply(self, core: DecisionCore) -> None:
+        """Replicas joined (registry): give them the versions of the last snapshot applied."""
+        if self.last is not None:
+            core.apply_versions(self.last)
 
     async def observe(self, core: DecisionCore, raw_epoch: str | None) -> None:
         """A read returned the epoch ``raw_epoch``: apply a newer snapshot. Never raises."""
@@ -63,12 +70,13 @@ class VersionSync:
         epoch = int(raw["epoch"])
         if epoch > self.applied:
             try:
-                changed = core.apply_versions(json.loads(raw["snapshot"]))
+                snapshot = json.loads(raw["snapshot"])
+                changed = core.apply_versions(snapshot)
             except (ValueError, KeyError, TypeError) as exc:
                 log.warning("ignoring a malformed version snapshot (epoch %s, by %s): %r", epoch, raw.get("by"), exc)
                 return True
             was = self.confirmed
-            self.applied, self.confirmed, self.missing = epoch, True, False
+            self.applied, self.confirmed, self.missing, self.last = epoch, True, False, snapshot
             if changed or not was:
                 log.info("versions from %s (epoch %d): current %s, changed %s", raw.get("by"), epoch,
                          core.versions.current, changed)

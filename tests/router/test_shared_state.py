@@ -174,8 +174,13 @@ async def test_a_replica_added_restarted_drained_and_removed_through_one_router_
              ("draining", None, "http://127.0.0.1:4", "draining")]
     for kind, endpoint, url, rotation in steps:
         on_replica_event(a.app, ReplicaEvent(kind, r2, endpoint or a.app[keys.POOL].get(r2).endpoint))
+        if kind == "added":  # A loads a new version on it before B has heard of the replica
+            a.core.version_loaded(r2, 5)
+            a.core.finish_update(5, "keep+salt")
+            assert await a.state.publish_versions(a.core)
         await a.state.sync_round()
         await b.state.sync_round()
+        assert b.core.versions.loaded[r2] == 5, kind
         assert r2 in b.core.replicas and b.app[keys.POOL].get(r2).endpoint.base_url == url, kind
         assert b.core.versions.rotation.get(r2) == rotation, kind
     assert b.app[keys.POOL].get(r2).endpoint.api_key is None  # keys never travel through Redis
