@@ -258,13 +258,13 @@ class DecisionCore:
 
     # -- sharing with other routers (cache_policy.sharing; router.state carries it out) ---------
 
-    def versions_snapshot(self) -> dict:
-        """Versions, policy and update rotation as JSON (``cache_policy.sharing.versions_snapshot``)."""
+    def versions_snapshot(self) -> sharing.VersionSnapshot:
+        """Versions, policy and update rotation, to share (``cache_policy.sharing``)."""
         return sharing.versions_snapshot(self.versions)
 
-    def apply_versions(self, snapshot: dict) -> list[ReplicaId]:
+    def apply_versions(self, snapshot: sharing.VersionSnapshot) -> list[ReplicaId]:
         """Adopt another router's version snapshot; the replicas whose loaded version changed.
-        Placements waiting on rotation should be woken by the caller. ValueError if malformed."""
+        Placements waiting on rotation should be woken by the caller."""
         return sharing.apply_versions(self.versions, snapshot, list(self.replicas))
 
     def unconfirm_versions(self) -> None:

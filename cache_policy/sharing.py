@@ -66,35 +66,61 @@ def sum_peer_loads(shares: Iterable[dict[ReplicaId, PeerLoad]]) -> dict[ReplicaI
     return out
 
 
-def versions_snapshot(book: VersionBook) -> dict[str, Any]:
-    """``book`` as a JSON-able dict: ``current``, ``policy``, ``history``, ``loaded``
-    (replica -> version or None), ``rotation`` (update reasons only) and ``updating``."""
-    return {
-        "current": book.current, "policy": book.policy, "history": list(book.history),
-        "loaded": dict(book.loaded),
-        "rotation": {rid: r for rid, r in book.rotation.items() if is_update_reason(r)},
-        "updating": book.updating(),
-    }
+@dataclass(frozen=True)
+class VersionSnapshot:
+    """What one router tells the others about versions: ``current`` version and ``policy``,
+    ``history`` (versions loaded so far, ascending), ``loaded`` (replica, version or None)
+    pairs, ``rotation`` (replica, update reason) pairs, and whether an update is in progress.
+    """
+
+    current: int | None
+    policy: str
+    history: tuple[int, ...] = ()
+    loaded: tuple[tuple[ReplicaId, int | None], ...] = ()
+    rotation: tuple[tuple[ReplicaId, str], ...] = ()
+    updating: bool = False
+
+    def __post_init__(self) -> None:
+        check_policy(self.policy)
+        assert list(self.history) == sorted(self.history), "bug: history must be ascending"
+
+    def as_json(self) -> dict[str, Any]:
+        """The wire form (a JSON object)."""
+        return {"current": self.current, "policy": self.policy, "history": list(self.history),
+                "loaded": dict(self.loaded), "rotation": dict(self.rotation), "updating": self.updating}
+
+    @classmethod
+    def from_json(cls, data: Any) -> "VersionSnapshot":
+        """Parse the wire form; ValueError naming what is wrong."""
+        try:
+            current = data["current"]
+            return cls(None if current is None else int(current), str(data["policy"]),
+                       tuple(sorted(int(v) for v in data.get("history", []))),
+                       tuple((ReplicaId(k), None if v is None else int(v)) for k, v in data["loaded"].items()),
+                       tuple((ReplicaId(k), str(v)) for k, v in data.get("rotation", {}).items()),
+                       bool(data.get("updating", False)))
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"malformed version snapshot: {exc!r}") from exc
 
 
-def apply_versions(book: VersionBook, snapshot: dict[str, Any], known: Iterable[ReplicaId]) -> list[ReplicaId]:
+def versions_snapshot(book: VersionBook) -> VersionSnapshot:
+    """``book``'s shareable state (update rotation reasons only)."""
+    return VersionSnapshot(book.current, book.policy, tuple(book.history), tuple(book.loaded.items()),
+                           tuple((rid, r) for rid, r in book.rotation.items() if is_update_reason(r)),
+                           book.updating())
+
+
+def apply_versions(book: VersionBook, snapshot: VersionSnapshot, known: Iterable[ReplicaId]) -> list[ReplicaId]:
     """Make ``book`` agree with ``snapshot`` for the ``known`` replicas; return the replicas
     whose loaded version changed.
 
     Replicas the snapshot does not name keep their state; a local ``draining`` (or other
-    non-update) rotation reason is kept. ValueError on a malformed snapshot (nothing changed).
+    non-update) rotation reason is kept.
     """
-    policy, current = snapshot["policy"], snapshot["current"]
-    check_policy(policy)
-    history = sorted(int(v) for v in snapshot.get("history", []))
-    loaded = {ReplicaId(k): (None if v is None else int(v)) for k, v in snapshot["loaded"].items()}
-    rotation = {ReplicaId(k): str(v) for k, v in snapshot.get("rotation", {}).items()}
+    loaded, rotation = dict(snapshot.loaded), dict(snapshot.rotation)
     changed = []
-    book.policy, book.current = policy, None if current is None else int(current)
-    for version in history:
-        if version not in book.history:
-            book.history.append(version)
-    book.history.sort()
+    book.policy, book.current = snapshot.policy, snapshot.current  # type: ignore[assignment]
+    book.history[:] = sorted(set(book.history) | set(snapshot.history))
     for rid in known:
         if rid in loaded and book.loaded.get(rid, -1) != loaded[rid]:
             book.set_loaded(rid, loaded[rid])

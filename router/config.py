@@ -75,7 +75,8 @@ class RouterConfig:
     redis_prefix: str = "rollout-router:"
     """Prefix of every Redis key (routers of one fleet share it; another fleet picks another)."""
     state_sync_interval_s: float = 0.25
-    """Seconds between shared-state sync rounds (heartbeat, in-flight shares, versions, registry)."""
+    """Seconds between shared-state sync rounds (heartbeat, in-flight shares, versions, registry);
+    0 disables the loop (pins and versions are still read and written with each request)."""
     tokenizer: str | None = None
     """Tokenizer path for text prompts; default: the replicas' model."""
     kv_events: bool = True
@@ -152,7 +153,7 @@ class RouterConfig:
         _check(self.redis_breaker_failures >= 1, "redis_breaker_failures", "must be >= 1")
         _check(self.redis_breaker_reset_s > 0, "redis_breaker_reset_s", "must be > 0")
         _check(self.redis_pin_ttl_s >= 1, "redis_pin_ttl_s", "must be >= 1")
-        _check(self.state_sync_interval_s > 0, "state_sync_interval_s", "must be > 0")
+        _check(self.state_sync_interval_s >= 0, "state_sync_interval_s", "must be >= 0 (0 disables the sync loop)")
         _check(self.admission_default_max_tokens >= 1, "admission_default_max_tokens", "must be >= 1")
         _check(self.initial_weight_version is None or self.initial_weight_version >= 0,
                "initial_weight_version", "must be >= 0 or None")

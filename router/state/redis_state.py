@@ -42,6 +42,7 @@ class RedisState:
         self.versions = VersionSync(self.redis, self.keys, self.router_id, self._changed)
         self.registry = RegistrySync(self.redis, self.keys, self.router_id)
         self.peers = PeerSync(self.redis, self.keys, self.router_id, max(1.0, 4 * sync_interval_s))
+        # ttl_s: a router that stopped beating for 4 rounds (>= 1 s) is gone, with its load share
         self.app = None
         self.instance: str | None = None
         self._reconcile = False
@@ -106,6 +107,8 @@ class RedisState:
 
     async def run(self) -> None:
         """Sync rounds and the pub/sub listener until cancelled; survives any error (logged once per cause)."""
+        if self.sync_interval_s <= 0:
+            return  # switched off: pins and versions still travel with each request
         listener = asyncio.create_task(self._listen())
         seen: set[str] = set()
         try:

@@ -47,8 +47,12 @@ def local_view(app) -> dict[ReplicaId, dict[str, Any]]:
     from router import keys
 
     core, pool = app[keys.CORE], app[keys.POOL]
-    return {s.endpoint.replica_id: entry_of(s.endpoint, "draining" if core.versions.rotation.get(
-        s.endpoint.replica_id) == "draining" else "active") for s in pool.states() if s.endpoint.replica_id in core.replicas}
+    out = {}
+    for s in pool.states():
+        rid = s.endpoint.replica_id
+        if rid in core.replicas:
+            out[rid] = entry_of(s.endpoint, "draining" if core.versions.rotation.get(rid) == "draining" else "active")
+    return out
 
 
 class RegistrySync:

@@ -20,6 +20,7 @@ import logging
 from collections.abc import Callable
 
 from cache_policy.core import DecisionCore
+from cache_policy.sharing import VersionSnapshot
 from router.state.redis_client import GuardedRedis, StateUnavailable
 from router.state.wire import PUBLISH_VERSIONS, REFRESH_LOCK, RELEASE_LOCK, Keys
 
@@ -37,11 +38,11 @@ class VersionSync:
         self.redis, self.keys, self.router_id, self.on_change = redis, keys, router_id, on_change
         self.applied = -1
         self.confirmed = False
-        self.seed: dict | None = None
+        self.seed: VersionSnapshot | None = None
         """The configured versions, published if Redis holds none and no other router is alive."""
         self.missing = False
         """Redis holds no snapshot although this router has one (restarted empty): re-publish."""
-        self.last: dict | None = None
+        self.last: VersionSnapshot | None = None
         """The last snapshot applied from Redis (re-applied to replicas the registry adds later)."""
 
     def reapply(self, core: DecisionCore) -> None:
@@ -70,7 +71,7 @@ class VersionSync:
         epoch = int(raw["epoch"])
         if epoch > self.applied:
             try:
-                snapshot = json.loads(raw["snapshot"])
+                snapshot = VersionSnapshot.from_json(json.loads(raw["snapshot"]))
                 changed = core.apply_versions(snapshot)
             except (ValueError, KeyError, TypeError) as exc:
                 log.warning("ignoring a malformed version snapshot (epoch %s, by %s): %r", epoch, raw.get("by"), exc)
@@ -85,7 +86,7 @@ class VersionSync:
 
     async def publish(self, core: DecisionCore) -> bool:
         """Publish the core's snapshot as the next epoch; False when Redis is unreachable."""
-        snapshot = json.dumps(core.versions_snapshot())
+        snapshot = json.dumps(core.versions_snapshot().as_json())
         try:
             epoch = await self.redis.call(lambda c: c.eval(PUBLISH_VERSIONS, 2, self.keys.versions,
                                                            self.keys.versions_epoch, snapshot, self.router_id,
@@ -106,7 +107,7 @@ class VersionSync:
         else:
             return  # a router that holds a view will re-publish it; then we apply it
         result = await self.redis.call(lambda c: c.eval(PUBLISH_VERSIONS, 2, self.keys.versions,
-                                                        self.keys.versions_epoch, json.dumps(snapshot),
+                                                        self.keys.versions_epoch, json.dumps(snapshot.as_json()),
                                                         self.router_id, self.keys.events, str(epoch)))
         if int(result) == epoch:
             if not self.confirmed:

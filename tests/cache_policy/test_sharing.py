@@ -13,7 +13,7 @@ import pytest
 from cache_policy.config import PolicyConfig
 from cache_policy.core import DecisionCore, RequestSpec
 from cache_policy.salts import cache_salt_for_version
-from cache_policy.sharing import PeerLoad, sum_peer_loads
+from cache_policy.sharing import PeerLoad, VersionSnapshot, sum_peer_loads
 from cache_policy.types import ReplicaId
 
 R0, R1 = ReplicaId("r0"), ReplicaId("r1")
@@ -26,8 +26,9 @@ def router(**kw) -> DecisionCore:
     return core
 
 
-def wire(snapshot: dict) -> dict:
-    return json.loads(json.dumps(snapshot))
+def wire(snapshot: VersionSnapshot) -> VersionSnapshot:
+    """Through JSON, as Redis carries it."""
+    return VersionSnapshot.from_json(json.loads(json.dumps(snapshot.as_json())))
 
 
 def placed(core, spec, now=0.0):
@@ -58,7 +59,9 @@ def test_an_update_on_one_core_reaches_the_other_with_rotation_but_not_draining(
 def test_a_malformed_snapshot_is_refused_and_changes_nothing():
     b = router()
     with pytest.raises(ValueError, match="weight_update_policy"):
-        b.apply_versions({"policy": "bogus", "current": 3, "loaded": {"r0": 3}})
+        VersionSnapshot.from_json({"policy": "bogus", "current": 3, "loaded": {"r0": 3}})
+    with pytest.raises(ValueError, match="malformed"):
+        VersionSnapshot.from_json({"policy": "salt", "current": 3})
     assert b.versions.current == 0 and b.versions.loaded[R0] == 0
 
 
@@ -69,7 +72,8 @@ def test_unconfirmed_versions_salt_nothing_with_a_guess():
     tagged = core.open(RequestSpec(list(range(64)), weight_version=7), 0.0)
     assert untagged.salt is None and untagged.choice.version is None
     assert tagged.salt == cache_salt_for_version(7)
-    core.apply_versions({"current": 2, "policy": "keep+salt", "history": [0, 2], "loaded": {"r0": 2, "r1": 2}})
+    core.apply_versions(VersionSnapshot.from_json({"current": 2, "policy": "keep+salt", "history": [0, 2],
+                                                   "loaded": {"r0": 2, "r1": 2}}))
     assert core.open(RequestSpec(list(range(64))), 0.0).salt == cache_salt_for_version(2)
 
 
