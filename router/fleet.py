@@ -36,10 +36,16 @@ class NoFleet(RouterError):
 
 
 def attach_fleet(app: web.Application, replica_set) -> None:
-    """Follow ``replica_set``'s events (call before the app starts serving)."""
+    """Follow ``replica_set``'s events (call before the app starts serving) until the app stops
+    (a stopped router must not keep receiving them: several routers may serve one set in turn)."""
     app[FLEET] = replica_set
     if replica_set is not None:
-        replica_set.subscribe(lambda event: on_replica_event(app, event))
+        unsubscribe = replica_set.subscribe(lambda event: on_replica_event(app, event))
+
+        async def stop_following(_: web.Application) -> None:
+            unsubscribe()
+
+        app.on_cleanup.append(stop_following)
 
 
 def on_replica_event(app: web.Application, event: ReplicaEvent) -> None:
