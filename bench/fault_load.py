@@ -86,6 +86,8 @@ class MixedLoad:
 
     def __post_init__(self) -> None:
         self._stop = asyncio.Event()
+        self._go = asyncio.Event()
+        self._go.set()
         self._tasks: list[asyncio.Task] = []
         self._timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
         rng = random.Random(f"{self.w.seed}:score")
@@ -102,7 +104,15 @@ class MixedLoad:
     async def stop(self) -> list[Record]:
         """Let every worker finish the request it is on, then return the records."""
         self._stop.set()
+        self._go.set()
         return await self.wait()
+
+    def pause(self) -> None:
+        """Send nothing new until :meth:`resume` (requests in flight finish)."""
+        self._go.clear()
+
+    def resume(self) -> None:
+        self._go.set()
 
     async def wait(self) -> list[Record]:
         await asyncio.gather(*self._tasks)
@@ -120,6 +130,7 @@ class MixedLoad:
             yield i
 
     async def _post(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> tuple[int, Any, Any, float]:
+        await self._go.wait()
         sent = time.monotonic()
         try:
             async with self.http.post(self.url + path, json=body, headers=headers, timeout=self._timeout) as r:
