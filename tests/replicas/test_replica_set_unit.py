@@ -12,6 +12,7 @@ import pytest_asyncio
 
 from replicas import replica_set as rs_mod
 from replicas.config import ReplicaSetConfig
+from replicas.ids import replica_index
 from replicas.replica_set import ReplicaEndpoint, ReplicaSet, replica_id
 from replicas.server import free_port
 from tests.replicas.fake_server import FAKE_SERVER
@@ -49,9 +50,9 @@ async def test_an_unreachable_url_fails_start_by_name():
 
 
 def test_replica_ids():
-    assert replica_id(3) == "replica-3" and rs_mod._index("replica-12") == 12
+    assert replica_id(3) == "replica-3" and replica_index("replica-12") == 12
     with pytest.raises(KeyError):
-        rs_mod._index("r-1")
+        replica_index("r-1")
 
 
 async def test_ray_is_shared_and_shut_down_by_the_last_user(monkeypatch):

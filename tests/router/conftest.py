@@ -10,6 +10,7 @@ import pytest
 import pytest_asyncio
 from aiohttp import web
 
+from replicas.auth import PROCESS_KEYS
 from router.config import AppConfig
 from router.server import running_router
 
@@ -26,7 +27,8 @@ async def router(replica_set):
     """The default prefix-affinity router on a free loopback port, shared by the session."""
     cfg = AppConfig().replace(router={"port": 0, "scrape_interval_s": 0.5})
     async with running_router(cfg, replica_set.endpoints) as (url, app):
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as http:
+        # PROCESS_KEYS: the tests' direct calls to a replica (its /tokenize, /metrics) carry its key
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300), middlewares=(PROCESS_KEYS,)) as http:
             yield RouterHandle(url, app, http)
 
 
