@@ -67,6 +67,7 @@ async def running_router(cfg: AppConfig, endpoints: Sequence[ReplicaEndpoint],
     ``replica_set``: the ``ReplicaSet`` behind the endpoints, if any: the router follows its
     events (restarts, new URLs, drains) and serves ``/admin/replicas`` for it."""
     tokenizer = tokenizer or await load_tokenizer(cfg, endpoints)
+    await asyncio.to_thread(tokenizer.load)  # a given one too: never first loaded on the event loop
     app = create_app(cfg, endpoints, tokenizer)
     attach_fleet(app, replica_set)
     install_shutdown(app)
