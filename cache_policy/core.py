@@ -283,6 +283,21 @@ class DecisionCore:
         return {rid: sharing.PeerLoad(ledger.count(rid), ledger.committed(rid), ledger.unseen(rid))
                 for rid in self.replicas}
 
+    def pin_by_hash(self, kind: str, key: str | None, now: float) -> ReplicaId | None:
+        """Shared state is unreachable: pin ``key``, if it has no pin here, to its rendezvous
+        replica among the healthy ones in rotation (``cache_policy.sharing.rendezvous``), so
+        routers that cannot coordinate still agree. Returns the key's pin (None: no replica)."""
+        if key is None:
+            return None
+        rec = self.registry.get(kind, key)  # type: ignore[arg-type]
+        if rec is not None and rec.replica in self.replicas:
+            return rec.replica
+        usable = sorted(rid for rid, r in self.replicas.items() if r.healthy and rid not in self.versions.rotation)
+        rid = sharing.rendezvous(f"{kind}:{key}", usable)
+        if rid is not None:
+            self.adopt_pin(kind, key, rid, now=now)
+        return rid
+
     def pins(self) -> list[tuple[str, str, ReplicaId, int | None]]:
         """Every pin: ``(kind, key, replica, start_version)`` (to re-publish to shared state)."""
         return self.registry.pins()

@@ -12,12 +12,17 @@ turns them into its own state. Three kinds:
 * **Peer loads** (:class:`PeerLoad`): the in-flight share other routers hold on each replica,
   folded into the admission projection so N routers together respect the watermark.
 * **Pins with start versions** (``DecisionCore.pins`` / ``adopt_pin``): first writer wins.
+  While Redis cannot be reached, a key no router pinned yet goes to its :func:`rendezvous`
+  replica, the same on every router that sees the same replicas, so a GRPO group whose members
+  reach several routers during an outage still lands on one replica.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Iterable
+
+import xxhash
 
 from cache_policy.types import ReplicaId
 from cache_policy.versions import VersionBook, check_policy
@@ -142,3 +147,15 @@ def unconfirmed(book: VersionBook) -> None:
     book.history.clear()  # a tagged request resolves to its own version, not to a stale one
     for rid in list(book.loaded):
         book.loaded[rid] = None
+
+
+def rendezvous(key: str, replicas: Iterable[ReplicaId]) -> ReplicaId | None:
+    """The replica of ``key`` by highest-random-weight hashing over ``replicas`` (None if none):
+    every router computes the same one from the same set, and removing a replica moves only
+    the keys it held."""
+    best, best_score = None, -1
+    for rid in replicas:
+        score = xxhash.xxh64_intdigest(f"{key}\x00{rid}".encode())
+        if score > best_score or (score == best_score and best is not None and rid < best):
+            best, best_score = rid, score
+    return best

@@ -10,7 +10,8 @@ Per keyed request, at most two Redis calls, each bounded by ``router.redis_timeo
    (``DecisionCore.follow_pin``) before it is admitted or dispatched.
 
 When Redis is unreachable the core's own pins decide (a session keeps the replica this router
-knows); the keys placed meanwhile are remembered (bounded) and claimed when Redis is back, and
+knows), and a key this router has no pin for is pinned to its rendezvous replica
+(``DecisionCore.pin_by_hash``: the same on every router, so a group does not split); the keys placed meanwhile are remembered (bounded) and claimed when Redis is back, and
 every pin is re-published when Redis restarted empty. Pins other routers write arrive on the
 ``events`` channel and are adopted, so every router knows every live pin before Redis blinks.
 """
@@ -63,7 +64,10 @@ class PinSync:
         pins = pin_keys(spec)
         try:
             values = await self.redis.call(lambda c: c.mget(extra + [self.keys.pin(k, v) for k, v in pins]))
-        except StateUnavailable:
+        except StateUnavailable:  # keys new to this router go where every router would put them
+            now = time.monotonic()
+            for kind, key in pins:
+                core.pin_by_hash(kind, key, now)
             return Seen(False), [None] * len(extra)
         seen = Seen(True)
         for (kind, key), raw in zip(pins, values[len(extra):]):

@@ -11,9 +11,9 @@ import json
 import pytest
 
 from cache_policy.config import PolicyConfig
-from cache_policy.core import DecisionCore, RequestSpec
+from cache_policy.core import DecisionCore, ReplicaLoad, RequestSpec
 from cache_policy.salts import cache_salt_for_version
-from cache_policy.sharing import PeerLoad, VersionSnapshot, sum_peer_loads
+from cache_policy.sharing import PeerLoad, VersionSnapshot, rendezvous, sum_peer_loads
 from cache_policy.types import ReplicaId
 
 R0, R1 = ReplicaId("r0"), ReplicaId("r1")
@@ -128,3 +128,28 @@ def test_adopted_pins_carry_their_start_version_and_are_listed():
     assert job.salt == cache_salt_for_version(0)
     assert core.place(job, 0.0).replica_id == R1
     assert ("session", "s", R1, 0) in core.pins()
+
+
+def test_without_shared_state_routers_agree_on_a_new_keys_replica_and_keep_known_pins():
+    a, b = router(), router()
+    b.observe_load(R0, ReplicaLoad(num_waiting=50), 0.0)  # their own load views differ
+    spread = set()
+    for g in range(40):
+        pa, pb = a.pin_by_hash("group", f"g{g}", 0.0), b.pin_by_hash("group", f"g{g}", 0.0)
+        assert pa == pb == rendezvous(f"group:g{g}", [R0, R1])
+        job = placed(b, RequestSpec(list(range(64)), group_id=f"g{g}"))
+        assert job.replica_id == pb
+        spread.add(pa)
+    assert spread == {R0, R1}
+    known = placed(a, RequestSpec(list(range(64)), session_id="s"))
+    assert a.pin_by_hash("session", "s", 1.0) == known.replica_id  # a pin it knows is kept
+    a.set_rotation(R1, "updating")
+    assert a.pin_by_hash("group", "fresh", 1.0) == R0
+
+
+def test_rendezvous_moves_only_the_keys_of_a_removed_replica():
+    three = [R0, R1, ReplicaId("r2")]
+    before = {k: rendezvous(k, three) for k in map(str, range(300))}
+    after = {k: rendezvous(k, three[:2]) for k in before}
+    assert all(after[k] == v for k, v in before.items() if v != "r2")
+    assert rendezvous("x", []) is None

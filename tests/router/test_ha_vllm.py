@@ -175,3 +175,23 @@ async def test_a_router_started_while_redis_is_down_serves_then_joins(replica_se
             assert status == 200 and body["rollout_router"]["cache_salt"] == cache_salt_for_version(0)
         finally:
             redis.close()
+
+
+async def test_groups_started_while_redis_is_hung_still_land_on_one_replica(replica_set, tmp_path):
+    redis = RedisProcess(tmp_path).start()
+    try:
+        async with routers(3, redis.url, replica_set.endpoints, "ha5:") as (rs, http):
+            redis.stop()
+            used = set()
+            for g in range(8):
+                prompt = unique_prompt(7700 + g, 96)
+                results = await asyncio.gather(*(post(http, rs[i % 3][0], prompt, {"X-Group-Id": f"hung-g{g}"})
+                                                 for i in range(16)))
+                assert [s for s, *_ in results] == [200] * 16
+                replicas = {rep for _, rep, *_ in results}
+                assert len(replicas) == 1, (g, [rep for _, rep, *_ in results])
+                used |= replicas
+            assert len(used) == 2 and not any(app[keys.LIFECYCLE].shared.available for _, app in rs)
+            redis.cont()
+    finally:
+        redis.close()
