@@ -41,7 +41,9 @@ class Seen:
 
     ok: bool
     pins: dict[str, ReplicaId | None] = field(default_factory=dict)
-    epoch: int | None = None
+    deadline: float = float("inf")
+    """Monotonic time by which the request's Redis calls must end: one ``redis_timeout_s``
+    from its first call, for all of them together (DESIGN rule 7: Redis costs at most that)."""
 
 
 def pin_keys(spec: RequestSpec) -> list[tuple[str, str]]:
@@ -62,14 +64,15 @@ class PinSync:
         """MGET ``extra`` keys + the request's pins; adopt the pins. Returns the ``Seen`` and the
         values of ``extra``. Never raises: Redis unreachable gives ``Seen(ok=False)``."""
         pins = pin_keys(spec)
+        deadline = time.monotonic() + self.redis.timeout_s
         try:
             values = await self.redis.call(lambda c: c.mget(extra + [self.keys.pin(k, v) for k, v in pins]))
         except StateUnavailable:  # keys new to this router go where every router would put them
             now = time.monotonic()
             for kind, key in pins:
                 core.pin_by_hash(kind, key, now)
-            return Seen(False), [None] * len(extra)
-        seen = Seen(True)
+            return Seen(False, deadline=deadline), [None] * len(extra)
+        seen = Seen(True, deadline=deadline)
         for (kind, key), raw in zip(pins, values[len(extra):]):
             replica, start = decode_pin(raw)
             seen.pins[kind] = ReplicaId(replica) if replica else None
@@ -81,9 +84,11 @@ class PinSync:
         pins = pin_keys(job.spec)
         if not pins or job.replica_id is None:
             return
-        if seen is None or not seen.ok:
+        left = seen.deadline - time.monotonic() if seen is not None else 0.0
+        if seen is None or left < 0.002 or (not seen.ok and not self.redis.available):
             self._remember(pins, seen)
-            return
+            return  # Redis away or the request's budget spent: claimed when Redis is back
+        # (a read that failed fast with the breaker still closed: claim as a first writer would)
         start = job.choice.version if job.choice.version is not None else None
         record = {kind: core.registry.record_of(kind, key) for kind, key in pins}  # type: ignore[arg-type]
         args: list = [self.ttl_s, self.keys.events]
@@ -93,10 +98,11 @@ class PinSync:
             args += [seen.pins.get(kind) or "", job.replica_id, "" if sv is None else sv]
         try:
             values = await self.redis.call(lambda c: c.eval(CLAIM, len(pins), *[self.keys.pin(k, v) for k, v in pins],
-                                                             *args))
+                                                             *args), timeout_s=left)
         except StateUnavailable:
             self._remember(pins, seen)
             return
+        seen.ok = True
         self._follow(core, job, pins, seen, values, now)
 
     def _follow(self, core: DecisionCore, job: Job, pins, seen: Seen, values, now: float) -> None:

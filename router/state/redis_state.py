@@ -60,7 +60,7 @@ class RedisState:
         """Before ``core.open``: confirm versions and adopt the request's pins. Never raises."""
         seen, (epoch,) = await self.pins.read(core, spec, [self.keys.versions_epoch])
         if seen.ok:
-            await self.versions.observe(core, epoch)
+            await self.versions.observe(core, epoch)  # rare (after an update): one more read
         return seen
 
     async def after_place(self, core: DecisionCore, job: Job, seen: Seen | None, now: float) -> None:

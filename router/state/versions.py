@@ -58,8 +58,12 @@ class VersionSync:
         if int(raw_epoch) > self.applied:
             try:
                 await self.fetch(core)
-            except StateUnavailable:
-                pass  # the next read or the sync loop tries again
+            except StateUnavailable:  # a newer snapshot exists and could not be read: ours is stale
+                if self.confirmed:
+                    log.warning("versions epoch %s published but unreadable: not salting until confirmed", raw_epoch)
+                self.confirmed = False
+                core.unconfirm_versions()
+                self.on_change()
 
     async def fetch(self, core: DecisionCore) -> bool:
         """Read and apply the snapshot in Redis if newer; True when Redis holds one.

@@ -129,3 +129,24 @@ async def test_every_call_fails_as_state_unavailable_not_as_a_redis_error(tmp_pa
         await r.state.redis.call(lambda c: c.get("x"))
     assert not await r.state.acquire_update_lock("o", 5) and not await r.state.publish_versions(r.core)
     await r.state.release_update_lock("o")  # never raises
+
+
+async def test_a_newer_version_epoch_that_cannot_be_read_stops_salting_until_it_can(tmp_path):
+    redis = RedisProcess(tmp_path).start()
+    try:
+        a, b = Router(redis.url, "f6:"), Router(redis.url, "f6:")
+        assert (await b.route(RequestSpec(list(range(64))))).salt == cache_salt_for_version(0)
+        client = a.state.redis.client
+        await client.set("f6:versions:epoch", 5)
+        await client.set("f6:versions", "not a hash")  # HGETALL fails: WRONGTYPE
+        stale = await b.route(RequestSpec(list(range(64))), 1.0)
+        assert stale.salt is None and not b.state.versions.confirmed  # its view is known stale: no guess
+        await client.delete("f6:versions", "f6:versions:epoch")
+        a.core.version_loaded(R0, 6)
+        a.core.version_loaded(R1, 6)
+        a.core.finish_update(6, "salt")
+        assert await a.state.publish_versions(a.core)
+        fresh = await b.route(RequestSpec(list(range(64))), 2.0)
+        assert fresh.salt == cache_salt_for_version(6) and b.state.versions.confirmed
+    finally:
+        redis.close()
