@@ -16,6 +16,7 @@ import logging
 
 from aiohttp import web
 
+from replicas.config import StartupError
 from replicas.events import ReplicaEvent
 from replicas.replica_set import ReplicaEndpoint
 from router import keys
@@ -108,7 +109,10 @@ async def add_replica(request: web.Request) -> web.Response:
     url = body.get("url") if isinstance(body, dict) else None
     if url is not None and (not isinstance(url, str) or not url.startswith(("http://", "https://"))):
         raise BadRequest("'url' must be an http(s) URL of a running vLLM server", param="url")
-    endpoint = await _fleet(request).add(url)
+    try:
+        endpoint = await _fleet(request).add(url)
+    except StartupError as exc:  # unreachable, or a block size the fleet does not share
+        raise BadRequest(f"cannot add the replica: {exc}", param="url" if url is not None else "body") from exc
     await request.app[FLEET].events.flush()  # the router follows it before answering
     return web.json_response({"replica": endpoint.replica_id, "url": endpoint.base_url}, status=201)
 
