@@ -22,6 +22,8 @@ from cache_policy.registry import KeyRegistry
 from cache_policy.types import ReplicaId, ReplicaView
 
 Verdict = Literal["admit", "queue", "reject"]
+UNPARK_EVERY_S = 0.25
+"""How often (in the caller's seconds) ``pump`` stops counting idle sessions' parked prefixes."""
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,7 @@ class AdmissionState:
         self.queue = AdmissionQueue(cfg)
         self.ledger = KvLedger()
         self._numbers = itertools.count()
+        self._unparked_at = float("-inf")
 
     def request(self, rid: ReplicaId, total_blocks: int, matched_blocks: int, session_id: str | None,
                 group_id: str | None, requests: int, now: float, request_id: str = "") -> AdmissionRequest:
@@ -114,8 +117,10 @@ class AdmissionState:
     def pump(self, views: list[ReplicaView], now: float) -> list[tuple[AdmissionRequest, Admission]]:
         """Admit every queued request that fits now, in service order. ``views``: replicas in
         rotation (an unhealthy or absent replica's requests stay queued)."""
-        waiting = {r.session_id for r in self.queue.waiting() if r.session_id is not None}
-        self.registry.unpark_idle(now, self.cfg.session_idle_s, waiting)
+        if now - self._unparked_at >= UNPARK_EVERY_S:  # a sweep over every session: amortized
+            self._unparked_at = now
+            waiting = {r.session_id for r in self.queue.waiting() if r.session_id is not None}
+            self.registry.unpark_idle(now, self.cfg.session_idle_s, waiting)
         projected = [project(v, self.ledger, self.registry) for v in views]
         return [(r, self._admit(r, now, waited=True)) for r in self.queue.pop_admissible(projected, {}, now)]
 

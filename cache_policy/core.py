@@ -158,6 +158,7 @@ class DecisionCore:
         self._outbox: list[tuple[Job, Admission]] = []
         self._next_id = 0
         self._swept_at = float("-inf")
+        self._views: dict[ReplicaId, tuple[tuple, ReplicaView]] = {}
 
     # -- replica events -------------------------------------------------------------------------
 
@@ -390,8 +391,9 @@ class DecisionCore:
         jobs refused (``reject``: timeout / displaced) or sent back (``replica_gone``)."""
         self.registry.advance(now)
         self._expire(now)
-        views = [self._view(rid) for rid, rec in self.replicas.items()
-                 if rec.healthy and rid not in self.versions.rotation]
+        waiting = {r.replica_id for r in self.admission.queue.waiting()}  # only their views are needed
+        views = [self._view(rid) for rid in waiting
+                 if rid in self.replicas and self.replicas[rid].healthy and rid not in self.versions.rotation]
         for request, adm in self.admission.pump(views, now):
             job = self._jobs.pop(request.request_id)
             job.queued, job.admission = None, adm
@@ -534,13 +536,28 @@ class DecisionCore:
         return self.replicas[rid].view(self.versions.loaded.get(rid))
 
     def _view(self, rid: ReplicaId) -> ReplicaView:
-        ledger = self.admission.ledger
-        return replace(self._raw_view(rid), in_flight=ledger.count(rid) + ledger.peer(rid).requests)
+        """``rid`` for the policies, with the in-flight count of every router; cached until one of
+        the inputs changes, so a decision costs one tuple compare per unchanged replica."""
+        rec, ledger = self.replicas[rid], self.admission.ledger
+        peer, version = ledger.peer(rid), self.versions.loaded.get(rid)
+        stamp = (ledger.count(rid), peer, rec.load, rec.healthy, rec.num_gpu_blocks, rec.scoring_cap, version)
+        cached = self._views.get(rid)
+        if cached is not None and cached[0] == stamp:
+            return cached[1]
+        load = rec.load
+        view = ReplicaView(rid, rec.healthy, stamp[0] + peer.requests, load.kv_cache_usage, load.num_running,
+                           load.num_waiting, load.num_gpu_blocks or rec.num_gpu_blocks, rec.block_size,
+                           rec.scoring_cap, version)
+        self._views[rid] = (stamp, view)
+        return view
 
     def _candidates(self, job: Job) -> list[ReplicaView]:
-        healthy = [rid for rid, rec in self.replicas.items() if rec.healthy]
-        skip = self.versions.excluded(job.choice, healthy) | set(job.tried)
-        return [self._view(rid) for rid in self.replicas if rid not in skip]
+        """Every replica ``job`` may use (the candidate scan: one cached view per replica)."""
+        skip = self.versions.excluded(job.choice, [])
+        if job.tried:
+            skip |= set(job.tried)
+        view = self._view
+        return [view(rid) for rid in self.replicas if rid not in skip]
 
     def _pins_before(self, job: Job) -> dict[str, ReplicaId | None]:
         out = {}

@@ -34,8 +34,9 @@ def pick_min(
 ) -> ReplicaView:
     """The candidate with the smallest ``key``; ties broken by ``rng``."""
     assert candidates, "bug: pick_min on no candidates"
-    best = min(key(c) for c in candidates)
-    tied = [c for c in candidates if key(c) == best]
+    keys = [key(c) for c in candidates]  # once per candidate: this is the scan a decision pays for
+    best = min(keys)
+    tied = [c for c, k in zip(candidates, keys) if k == best]
     return tied[0] if len(tied) == 1 else rng.choice(tied)
 
 
