@@ -42,8 +42,10 @@ from router.server import running_router
 VICTIM = "replica-0"
 BACK_WITHIN_S = 300.0
 DEFAULT_WORK = dict(sessions=3, session_turns=6, reply_tokens=48, groups=1, group_size=4, scorers=1,
-                    think_s=0.3, limit=6)
-"""About 80 s of work on two tiny-model replicas on 2 cores: the killed replica returns mid-run."""
+                    think_s=0.3, group_think_s=1.0, score_think_s=1.0, limit=36, group_limit=100, score_limit=95)
+"""About 2 minutes of each kind on two tiny-model replicas on 2 cores (less with one down: on 2 cores one
+replica alone runs faster than each of two); the
+killed replica (a restart under this load takes ~1.5-2 minutes on 2 cores) returns before it ends."""
 
 
 async def _counters(rs: ReplicaSet, rids: list[str]) -> dict[str, VllmMetrics]:
@@ -157,11 +159,12 @@ async def main_async(args: argparse.Namespace) -> list[RunSummary]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="bench.fault", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="bench.fault", description=__doc__.splitlines()[0],
+                                     epilog=f"Workload flags not given take these values: {DEFAULT_WORK}")
     add_dataclass_flags(parser, MixedWorkload)
     parser.add_argument("--kill", choices=("api", "engine"), default="api",
                         help="SIGKILL the victim's API server (its whole process group dies) or its engine core")
-    parser.add_argument("--kill-at-s", type=float, default=15.0, help="seconds into the fault run")
+    parser.add_argument("--kill-at-s", type=float, default=10.0, help="seconds into the fault run")
     parser.add_argument("--gpu-blocks", type=int, default=512, help="KV cache blocks (32 tokens) per replica")
     parser.add_argument("--out", default="results/fault.json")
     args = parser.parse_args(argv)

@@ -1,8 +1,8 @@
 """Steady mixed RL load through a router, every request recorded: agent sessions, GRPO groups and
 ``/v1/score`` fan-outs (used by ``bench.fault`` and ``tests/router/test_fault_vllm.py``).
 
-Each worker runs its kind in a loop until :meth:`MixedLoad.stop` or, with ``limit``, after that
-many sessions / groups / scorings (so two runs do the same work). Prompts are seeded token IDs,
+Each worker runs its kind in a loop until :meth:`MixedLoad.stop` or, with the kind's limit, after
+that many sessions / groups / scorings (so two runs do the same work). Prompts are seeded token IDs,
 generation is greedy with ``ignore_eos`` (a request of ``max_tokens`` m decodes exactly m tokens,
 a scoring request of K responses decodes K, one per engine request), so the tokens a client
 received can be compared with the replicas' own ``vllm:generation_tokens_total``.
@@ -30,7 +30,7 @@ MAX_ITERATIONS = 100_000
 
 @dataclass(frozen=True)
 class MixedWorkload:
-    """Concurrency and shape of each kind (``limit``: items per worker; None = until stopped)."""
+    """Concurrency, shape and pace of each kind; the limits make two runs do the same work."""
 
     sessions: int = 3
     session_turns: int = 6
@@ -47,7 +47,15 @@ class MixedWorkload:
     score_responses: int = 3
     score_response_tokens: int = 12
     think_s: float = 0.05
+    """Pause after each session turn (the environment's step)."""
+    group_think_s: float = 0.05
+    score_think_s: float = 0.05
     limit: int | None = None
+    """Sessions per session worker; None = until stopped."""
+    group_limit: int | None = None
+    """Groups per group worker; None = until stopped."""
+    score_limit: int | None = None
+    """Scoring requests per scorer; None = until stopped."""
     seed: int = 11
     vocab_size: int = 1000
 
@@ -122,9 +130,8 @@ class MixedLoad:
         """The 200s ``replica`` answered at or after ``after`` (``time.monotonic()``)."""
         return [r for r in self.records if r.status == 200 and r.replica == replica and r.done >= after]
 
-    def _iterations(self):
-        n = self.w.limit if self.w.limit is not None else MAX_ITERATIONS
-        for i in range(n):
+    def _iterations(self, limit: int | None):
+        for i in range(MAX_ITERATIONS if limit is None else limit):
             if self._stop.is_set():
                 return
             yield i
@@ -149,7 +156,7 @@ class MixedLoad:
 
     async def _sessions(self, worker: int) -> None:
         w = self.w
-        for s in self._iterations():
+        for s in self._iterations(w.limit):
             key = f"{self.tag}-s{worker}-{s}"
             rng = random.Random(f"{w.seed}:{key}")
             prompt = random_tokens(rng, w.first_prompt_tokens, w.vocab_size)
@@ -171,7 +178,7 @@ class MixedLoad:
 
     async def _groups(self, worker: int) -> None:
         w = self.w
-        for g in self._iterations():
+        for g in self._iterations(w.group_limit):
             key = f"{self.tag}-g{worker}-{g}"
             prompt = random_tokens(random.Random(f"{w.seed}:{key}"), w.group_prompt_tokens, w.vocab_size)
             body = {"prompt": prompt, "max_tokens": w.sample_tokens, "temperature": 0, "ignore_eos": True}
@@ -179,11 +186,11 @@ class MixedLoad:
                                              for _ in range(w.group_size)))
             for status, payload, headers, sent in answers:
                 self._record("group", key, status, payload, headers, sent, w.sample_tokens)
-            await asyncio.sleep(w.think_s)
+            await asyncio.sleep(w.group_think_s)
 
     async def _scores(self, worker: int) -> None:
         w = self.w
-        for n in self._iterations():
+        for n in self._iterations(w.score_limit):
             index = (worker + n) % len(self._pool)
             context, responses = self._pool[index]
             status, payload, headers, sent = await self._post("/v1/score", {"context": context, "responses": responses},
@@ -192,7 +199,7 @@ class MixedLoad:
             if status == 200 and not problem:
                 self.reference.setdefault(index, [r["logprobs"] for r in payload["results"]])
             self._record("score", f"{self.tag}-p{index}", status, payload, headers, sent, len(responses), problem)
-            await asyncio.sleep(w.think_s)
+            await asyncio.sleep(w.score_think_s)
 
 
 def check_score(payload: Any, responses: list[list[int]], reference: list[list[float]] | None) -> str:
