@@ -43,9 +43,9 @@ VICTIM = "replica-0"
 BACK_WITHIN_S = 300.0
 DEFAULT_WORK = dict(sessions=3, session_turns=6, reply_tokens=48, groups=1, group_size=4, scorers=1,
                     think_s=0.3, group_think_s=1.0, score_think_s=1.0, limit=36, group_limit=100, score_limit=95)
-"""About 2 minutes of each kind on two tiny-model replicas on 2 cores (less with one down: on 2 cores one
-replica alone runs faster than each of two); the
-killed replica (a restart under this load takes ~1.5-2 minutes on 2 cores) returns before it ends."""
+"""About 2 minutes of each kind on two tiny-model replicas on 2 cores, less with one down (on 2 cores
+one replica alone runs faster than each of two); the killed replica (a restart under this load takes
+70-110 s here) should return before the fault run ends, else a probe measures when it serves again."""
 
 
 async def _counters(rs: ReplicaSet, rids: list[str]) -> dict[str, VllmMetrics]:
