@@ -69,10 +69,10 @@ class PeerSync:
             pipe.zrangebyscore(self.keys.routers, now - self.ttl_s, "+inf")
             return await pipe.execute()
 
-        alive = (await self.redis.call(write, timeout_s=timeout_s))[-1]
+        alive = (await self.redis.call(write, timeout_s=timeout_s, background=True))[-1]
         self.others = [r for r in alive if r != self.router_id]
         raw = await self.redis.call(lambda c: c.mget([self.keys.load(r) for r in self.others]),
-                                    timeout_s=timeout_s) if self.others else []
+                                    timeout_s=timeout_s, background=True) if self.others else []
         shares = []
         for text in raw:
             if text:

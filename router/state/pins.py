@@ -1,6 +1,7 @@
 """Session and group pins across routers: first writer wins, the loser follows (issue 13).
 
-Per keyed request, at most two Redis calls, each bounded by ``router.redis_timeout_s``:
+Per keyed request, at most two Redis calls, each bounded by ``router.redis_timeout_s`` (none
+while the breaker is open, so only the requests in flight when Redis goes away pay the deadlines):
 
 1. before ``core.open`` (:meth:`PinSync.read`, one MGET shared with the version epoch check):
    the pins of the request's session and group, with their start versions, are adopted into
@@ -41,9 +42,7 @@ class Seen:
 
     ok: bool
     pins: dict[str, ReplicaId | None] = field(default_factory=dict)
-    deadline: float = float("inf")
-    """Monotonic time by which the request's Redis calls must end: one ``redis_timeout_s``
-    from its first call, for all of them together (DESIGN rule 7: Redis costs at most that)."""
+
 
 
 def pin_keys(spec: RequestSpec) -> list[tuple[str, str]]:
@@ -64,15 +63,14 @@ class PinSync:
         """MGET ``extra`` keys + the request's pins; adopt the pins. Returns the ``Seen`` and the
         values of ``extra``. Never raises: Redis unreachable gives ``Seen(ok=False)``."""
         pins = pin_keys(spec)
-        deadline = time.monotonic() + self.redis.timeout_s
         try:
             values = await self.redis.call(lambda c: c.mget(extra + [self.keys.pin(k, v) for k, v in pins]))
         except StateUnavailable:  # keys new to this router go where every router would put them
             now = time.monotonic()
             for kind, key in pins:
                 core.pin_by_hash(kind, key, now)
-            return Seen(False, deadline=deadline), [None] * len(extra)
-        seen = Seen(True, deadline=deadline)
+            return Seen(False), [None] * len(extra)
+        seen = Seen(True)
         for (kind, key), raw in zip(pins, values[len(extra):]):
             replica, start = decode_pin(raw)
             seen.pins[kind] = ReplicaId(replica) if replica else None
@@ -84,11 +82,11 @@ class PinSync:
         pins = pin_keys(job.spec)
         if not pins or job.replica_id is None:
             return
-        left = seen.deadline - time.monotonic() if seen is not None else 0.0
-        if seen is None or left < 0.002 or (not seen.ok and not self.redis.available):
+        if seen is None or not self.redis.available:
             self._remember(pins, seen)
-            return  # Redis away or the request's budget spent: claimed when Redis is back
-        # (a read that failed fast with the breaker still closed: claim as a first writer would)
+            return  # Redis is away (breaker open): claimed when it is back
+        # (a read that failed once with the breaker still closed, e.g. a slow moment: claim as a
+        # first writer would, so the job still follows another router's pin)
         start = job.choice.version if job.choice.version is not None else None
         record = {kind: core.registry.record_of(kind, key) for kind, key in pins}  # type: ignore[arg-type]
         args: list = [self.ttl_s, self.keys.events]
@@ -98,7 +96,7 @@ class PinSync:
             args += [seen.pins.get(kind) or "", job.replica_id, "" if sv is None else sv]
         try:
             values = await self.redis.call(lambda c: c.eval(CLAIM, len(pins), *[self.keys.pin(k, v) for k, v in pins],
-                                                             *args), timeout_s=left)
+                                                             *args))
         except StateUnavailable:
             self._remember(pins, seen)
             return
@@ -139,7 +137,7 @@ class PinSync:
                     pipe.eval(CLAIM, 1, self.keys.pin(kind, key), self.ttl_s, self.keys.events,
                               expected.get((kind, key)) or "", rid, "" if sv is None else sv)
                 return await pipe.execute()
-            values = await self.redis.call(run, timeout_s=timeout_s)
+            values = await self.redis.call(run, timeout_s=timeout_s, background=True)
             for (kind, key, rid, _), raw in zip(chunk, values):
                 self.dirty.pop((kind, key), None)
                 replica, start = decode_pin(raw[0] if isinstance(raw, list) else raw)

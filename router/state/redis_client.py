@@ -91,8 +91,12 @@ class GuardedRedis:
         from redis.backoff import NoBackoff
 
         self.url, self.timeout_s = url, timeout_s
-        self.client = aioredis.from_url(url, decode_responses=True, socket_connect_timeout=timeout_s,
-                                        socket_timeout=max(1.0, 20 * timeout_s), retry=Retry(NoBackoff(), 0))
+        options = {"decode_responses": True, "socket_connect_timeout": max(0.5, 5 * timeout_s),
+                   "socket_timeout": max(1.0, 20 * timeout_s), "retry": Retry(NoBackoff(), 0)}
+        self.client = aioredis.from_url(url, **options)
+        self.background = aioredis.from_url(url, **options)
+        """A second connection pool for the sync loop and pub/sub, so their slow calls never hold
+        the request path's pool (redis-py connects under a pool-wide lock)."""
         self.breaker = Breaker(failures, reset_s)
         self.on_back = on_back
         self.last_error: str | None = None
@@ -103,17 +107,29 @@ class GuardedRedis:
         """False while the breaker is open (Redis recently failed)."""
         return self.breaker.state == "closed"
 
-    async def call(self, fn: Callable[[Any], Awaitable[T]], *, timeout_s: float | None = None) -> T:
-        """``await fn(client)`` within ``timeout_s`` (default: the configured one).
+    async def call(self, fn: Callable[[Any], Awaitable[T]], *, timeout_s: float | None = None,
+                   background: bool = False) -> T:
+        """``await fn(client)`` within ``timeout_s`` (default: the configured one); ``background``:
+        on the sync loop's own pool.
 
-        Raises StateUnavailable on any Redis or network error, on the deadline, or at once
-        while the breaker is open."""
+        The call runs as its own task and the caller stops waiting at the deadline whatever the
+        client does with the cancellation, so the deadline is hard. Raises StateUnavailable on
+        any Redis or network error, on the deadline, or at once while the breaker is open."""
         if not self.breaker.allow():
             raise StateUnavailable(f"redis circuit open ({self.last_error})")
         self.calls += 1
+        task = asyncio.ensure_future(fn(self.background if background else self.client))
         try:
-            async with asyncio.timeout(timeout_s or self.timeout_s):
-                result = await fn(self.client)
+            done, _ = await asyncio.wait({task}, timeout=timeout_s or self.timeout_s)
+            if not done:
+                task.cancel()
+                task.add_done_callback(_retrieve)
+                raise TimeoutError(f"no answer within {timeout_s or self.timeout_s:g} s")
+            result = task.result()
+        except asyncio.CancelledError:
+            task.cancel()
+            task.add_done_callback(_retrieve)
+            raise
         except (RedisError, OSError, TimeoutError, asyncio.TimeoutError) as exc:
             self.failed_calls += 1
             self.last_error = f"{type(exc).__name__}: {exc}"[:200]
@@ -127,9 +143,16 @@ class GuardedRedis:
         return result
 
     async def close(self) -> None:
-        """Close the connection pool (bounded by the timeout)."""
-        try:
-            async with asyncio.timeout(max(1.0, self.timeout_s)):
-                await self.client.aclose()
-        except (RedisError, OSError, TimeoutError, asyncio.TimeoutError):
-            pass
+        """Close both connection pools (bounded: 1 s each)."""
+        for client in (self.client, self.background):
+            try:
+                async with asyncio.timeout(max(1.0, self.timeout_s)):
+                    await client.aclose()
+            except (RedisError, OSError, TimeoutError, asyncio.TimeoutError):
+                pass
+
+
+def _retrieve(task: asyncio.Future) -> None:
+    """Consume an abandoned call's outcome (no 'exception never retrieved' noise)."""
+    if not task.cancelled():
+        task.exception()

@@ -46,6 +46,7 @@ class RedisState:
         self.app = None
         self.instance: str | None = None
         self._reconcile = False
+        self._republish_all = False
         self.rounds = 0
         self.restarts_seen = 0
 
@@ -132,8 +133,9 @@ class RedisState:
         t = self.background_timeout_s
         try:
             instance, epoch = await self.redis.call(lambda c: c.mget([self.keys.instance, self.keys.versions_epoch]),
-                                                    timeout_s=t)
-            restarted = await self._check_instance(instance)
+                                                    timeout_s=t, background=True)
+            if await self._check_instance(instance):
+                self._republish_all = True  # until it succeeds, whatever fails in between
             others = await self.peers.beat(self.app, core, view_of(self.app, self.router_id, self.versions.applied,
                                                                    self.versions.confirmed), t)
             if epoch is None:
@@ -143,9 +145,9 @@ class RedisState:
             if await self.registry.pull(self.app, t):
                 self.versions.reapply(core)
             await self.registry.push(self.app, t)
-            if restarted or self._reconcile or self.pins.dirty:
-                await self.pins.republish(core, everything=restarted, timeout_s=4 * t)
-                self._reconcile = False
+            if self._republish_all or self._reconcile or self.pins.dirty:
+                await self.pins.republish(core, everything=self._republish_all, timeout_s=4 * t)
+                self._reconcile = self._republish_all = False
             self.rounds += 1
         except StateUnavailable:
             self.peers.stale(core)
@@ -155,9 +157,9 @@ class RedisState:
         if instance is not None and instance == self.instance:
             return False
         token = new_router_id()
-        await self.redis.call(lambda c: c.set(self.keys.instance, token, nx=True), timeout_s=self.background_timeout_s)
+        await self.redis.call(lambda c: c.set(self.keys.instance, token, nx=True), timeout_s=self.background_timeout_s, background=True)
         lost = self.instance is not None and instance != self.instance
-        self.instance = await self.redis.call(lambda c: c.get(self.keys.instance), timeout_s=self.background_timeout_s)
+        self.instance = await self.redis.call(lambda c: c.get(self.keys.instance), timeout_s=self.background_timeout_s, background=True)
         if lost:
             self.restarts_seen += 1
             log.warning("redis %s lost the shared state (restarted empty?): re-publishing what this router holds",
@@ -171,7 +173,7 @@ class RedisState:
 
         logged: set[str] = set()
         while True:
-            pubsub = self.redis.client.pubsub()
+            pubsub = self.redis.background.pubsub()
             try:
                 async with asyncio.timeout(self.background_timeout_s):
                     await pubsub.subscribe(self.keys.events)

@@ -80,13 +80,13 @@ class RegistrySync:
             body = json.dumps({**entry, "by": self.router_id})
             self.seq[rid] = int(await self.redis.call(lambda c: c.eval(
                 PUT_REPLICA, 2, self.keys.replicas, self.keys.replicas_seq, rid, body, self.keys.events),
-                timeout_s=timeout_s))
+                timeout_s=timeout_s, background=True))
             self.known[rid] = entry
         return len(changes)
 
     async def pull(self, app, timeout_s: float) -> int:
         """Carry entries other routers wrote since the last sync into this router. Raises StateUnavailable."""
-        raw = await self.redis.call(lambda c: c.hgetall(self.keys.replicas), timeout_s=timeout_s)
+        raw = await self.redis.call(lambda c: c.hgetall(self.keys.replicas), timeout_s=timeout_s, background=True)
         applied = 0
         for rid, text in raw.items():
             try:

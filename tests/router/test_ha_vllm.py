@@ -23,14 +23,16 @@ from tests.router.ha_redis import RedisProcess
 
 pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.vllm]
 
-TIMEOUT_S = 0.05
+TIMEOUT_S = 0.1
 
 
 @contextlib.asynccontextmanager
-async def routers(n: int, redis_url: str, endpoints, prefix: str):
-    """``n`` routers on ``redis_url``; yields ``[(url, app)]`` and one client session."""
+async def routers(n: int, redis_url: str, endpoints, prefix: str, timeout_s: float = 1.0):
+    """``n`` routers on ``redis_url``; yields ``[(url, app)]`` and one client session.
+    ``timeout_s``: generous unless a test checks what a tight one bounds (this machine is shared
+    by 3 routers, the client and 2 engines on 2 cores; a call timing out falls back to local)."""
     cfg = AppConfig().replace(router={"port": 0, "scrape_interval_s": 0.5, "state": "redis", "redis_url": redis_url,
-                                      "redis_prefix": prefix, "redis_timeout_s": TIMEOUT_S,
+                                      "redis_prefix": prefix, "redis_timeout_s": timeout_s,
                                       "state_sync_interval_s": 0.1, "redis_breaker_reset_s": 0.5})
     tokenizer = PromptTokenizer(tokenizer_path(cfg))
     async with contextlib.AsyncExitStack() as stack:
@@ -118,7 +120,7 @@ def p99(values):
 async def test_redis_killed_and_stopped_under_load_costs_no_5xx_and_no_session_moves(replica_set, tmp_path):
     redis = RedisProcess(tmp_path).start()
     try:
-        async with routers(3, redis.url, replica_set.endpoints, "ha3:") as (rs, http):
+        async with routers(3, redis.url, replica_set.endpoints, "ha3:", TIMEOUT_S) as (rs, http):
             await _session_load(http, rs, 6, 3, [], 0.0)  # warm: every router has seen every session
             healthy: list = []
             await _session_load(http, rs, 6, 8, healthy, 0.2)  # the baseline, paced as under faults
@@ -143,7 +145,7 @@ async def test_redis_killed_and_stopped_under_load_costs_no_5xx_and_no_session_m
                 assert len(reps) == 1, (s, reps)
             base, hit = p99([t for *_, t, _ in healthy]), p99([t for *_, t, _ in faulty])
             print(f"p99 healthy {base * 1000:.0f} ms, under faults {hit * 1000:.0f} ms (timeout {TIMEOUT_S * 1000:.0f} ms)")
-            assert hit <= base + 2 * TIMEOUT_S + 0.25
+            assert hit <= base + 2 * TIMEOUT_S + 0.25  # a request makes at most two bounded Redis calls
             client = rs[0][1][keys.LIFECYCLE].shared.redis.client
             pins = {s: await client.get(f"ha3:pin:session:ha-s{s}") for s in range(6)}
             assert all(v is not None for v in pins.values()), pins  # re-published to the empty Redis
@@ -157,7 +159,7 @@ async def test_a_router_started_while_redis_is_down_serves_then_joins(replica_se
     from tests.router.ha_redis import free_port
 
     port = free_port()
-    async with routers(1, f"redis://127.0.0.1:{port}/0", replica_set.endpoints, "ha4:") as (rs, http):
+    async with routers(1, f"redis://127.0.0.1:{port}/0", replica_set.endpoints, "ha4:", TIMEOUT_S) as (rs, http):
         (url, app), = rs
         status, rep, body, _ = await post(http, url, unique_prompt(7600, 64), {"X-Session-Id": "early"})
         assert status == 200 and body["rollout_router"]["cache_salt"] is None  # unconfirmed: no guessed salt
@@ -180,7 +182,7 @@ async def test_a_router_started_while_redis_is_down_serves_then_joins(replica_se
 async def test_groups_started_while_redis_is_hung_still_land_on_one_replica(replica_set, tmp_path):
     redis = RedisProcess(tmp_path).start()
     try:
-        async with routers(3, redis.url, replica_set.endpoints, "ha5:") as (rs, http):
+        async with routers(3, redis.url, replica_set.endpoints, "ha5:", TIMEOUT_S) as (rs, http):
             redis.stop()
             used = set()
             for g in range(8):

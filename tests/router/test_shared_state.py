@@ -32,14 +32,16 @@ def endpoints(*urls: str) -> list[ReplicaEndpoint]:
 class Router:
     """One router's state: a core, a pool and a RedisState, in a bare app."""
 
-    def __init__(self, url: str, prefix: str, eps=None) -> None:
+    def __init__(self, url: str, prefix: str, eps=None, timeout_s: float = 1.0) -> None:
+        """``timeout_s``: generous by default (these tests check consistency, on a loaded CI
+        machine); the fault tests pass a tight one and check what it bounds."""
         eps = eps or endpoints("http://127.0.0.1:1", "http://127.0.0.1:2")
         self.core = DecisionCore(PolicyConfig(queue_timeout_s=5.0))
         for ep in eps:
             self.core.add_replica(ep.replica_id, block_size=32, num_gpu_blocks=100)
         self.app = web.Application()
         self.app[keys.CORE], self.app[keys.POOL] = self.core, ReplicaPool(eps)
-        self.state = RedisState(url, prefix=prefix, timeout_s=0.1, sync_interval_s=0.1)
+        self.state = RedisState(url, prefix=prefix, timeout_s=timeout_s, sync_interval_s=0.1)
         self.state.app = self.app
 
     async def route(self, spec: RequestSpec, now: float = 0.0):
