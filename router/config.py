@@ -60,7 +60,8 @@ class RouterConfig:
     admin_token: str | None = None
     """Bearer token required by /admin/* endpoints; None disables them."""
     state: StateKind = "memory"
-    """Where session/group pins and the replica registry live: this process, or Redis shared by routers."""
+    """Where pins, weight versions, the replica registry, in-flight shares and the update lock live:
+    this process, or a Redis shared by every router of the fleet (README "Several routers")."""
     redis_url: str | None = None
     """Redis URL when state is 'redis' (every router of one fleet names the same one)."""
     redis_timeout_s: float = 0.075
