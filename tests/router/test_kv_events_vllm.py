@@ -23,7 +23,7 @@ from replicas.replica_set import ReplicaSet
 from router.kv_events import KvEventSubscriber, sync_watches
 from tests.router.conftest import unique_prompt
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 BS = 32
 BLOCKS = 48
