@@ -12,13 +12,17 @@ probe ``/health`` and forward ``/v1/completions``; ours also reads ``/v1/models`
 * ``GET /sim/stats`` (the engine's counters) and ``POST /sim/reset`` (a fresh engine): the benchmark's own.
 
 Text is tokenized with the given Hugging Face tokenizer folder (the tiny model's by default, so a
-text prompt becomes the same IDs here as in our router), BOS added as vLLM's completions add it.
+text prompt becomes the same IDs here as in our router), BOS added as vLLM's completions add it;
+except text made only of ``t<id>`` words (``spell_ids``): a trivial, exact tokenizer that carries
+token-ID workloads through routers whose ``/v1/completions`` takes text only (sglang-router 0.3.2
+refuses a list of ints: "data did not match any variant of untagged enum StringOrArray").
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from typing import Any
 
@@ -37,7 +41,17 @@ def _bad(message: str, param: str | None = None) -> web.Response:
                                         "code": 400}}, status=400)
 
 
+_SPELLED = re.compile(r"t\d+(?: t\d+)*")
+
+
+def spell_ids(token_ids: list[int]) -> str:
+    """Token IDs as text this replica tokenizes back exactly: ``[5, 17]`` -> ``"t5 t17"``."""
+    return " ".join(f"t{t}" for t in token_ids)
+
+
 def _encode(app: web.Application, text: str, add_special: bool = True) -> list[int]:
+    if _SPELLED.fullmatch(text):
+        return [int(w[1:]) for w in text.split(" ")]
     tok = app[TOKENIZER]
     if tok is None:
         raise ValueError("this replica has no tokenizer: send token IDs")
