@@ -508,6 +508,11 @@ class DecisionCore:
         """Engine requests admitted to ``rid`` and not finished (a fan-out counts K)."""
         return self.admission.ledger.count(rid)
 
+    def in_flight_all(self, rid: ReplicaId) -> int:
+        """Engine requests on ``rid`` from this router and, as last shared, every other one
+        (what a weight update drains before it pauses the engine)."""
+        return self.admission.ledger.count(rid) + self.admission.ledger.peer(rid).requests
+
     def versions_since(self, job: Job) -> list[int]:
         """Versions ``job``'s replica served from its dispatch until now."""
         rid = job.replica_id

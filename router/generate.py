@@ -17,7 +17,8 @@ from router import keys
 from router.lifecycle import RetryElsewhere
 from router.parse import ParsedRequest
 from router.proxy import CACHED_TOKENS, FAILED, UpstreamResult, post_json, relay_stream
-from router.responses import json_answer, route_headers
+from router.responses import annotation, json_answer, route_headers
+from router.weights.report import StreamWatch
 
 UPSTREAM_PATH = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 
@@ -54,24 +55,30 @@ async def forward(client: web.Request, parsed: ParsedRequest, token_ids: list[in
     async def attempt(job: Job, endpoint: ReplicaEndpoint) -> web.StreamResponse:
         body = upstream_body(parsed, token_ids, job, endpoint.model)
         url = endpoint.base_url + UPSTREAM_PATH[parsed.endpoint]
+        flight = life.flight(job)
         if parsed.stream:
-            resp = await relay_stream(client, life.http, url, body, route_headers(job, expose_cached=expose))
+            watch = StreamWatch(flight.tokens, lambda cached: annotation(
+                job, core, expose_cached=expose, cached=cached, spans=flight.spans, reruns=life.reruns.get(job.id, 0)))
+            resp = await relay_stream(client, life.http, url, body, route_headers(job, expose_cached=expose), watch)
         else:
             resp = await post_json(life.http, url, body)
+            life.check_versions(job)  # a non-streamed answer is never mixed: run it again
         cached = None
         if isinstance(resp, UpstreamResult) and resp.status >= 500:  # nothing reached the client yet
             raise RetryElsewhere(f"replica {endpoint.replica_id} answered HTTP {resp.status}: "
                                  f"{resp.raw[:200].decode('utf-8', 'replace')}")
         if isinstance(resp, UpstreamResult):
             cached = _cached_tokens(resp.payload)
-            resp = json_answer(resp, job, core, parsed.endpoint, expose_cached=expose)
+            resp = json_answer(resp, job, core, parsed.endpoint, expose_cached=expose, spans=flight.spans,
+                               reruns=life.reruns.get(job.id, 0))
         else:
             cached = resp.get(CACHED_TOKENS)
         if resp.status == 200:  # prompts a replica refused were never prefilled
             metrics.count_prompt(job, len(token_ids) * samples, cached)
         return resp
 
-    return await life.run(spec, attempt, status=lambda r: r.status, failed=lambda r: bool(r.get(FAILED)))
+    return await life.run(spec, attempt, status=lambda r: r.status, failed=lambda r: bool(r.get(FAILED)),
+                          streaming=parsed.stream)
 
 
 def _cached_tokens(payload: Any) -> int | None:

@@ -3,7 +3,7 @@
 A leaf module: it imports nothing from ``router/`` or ``cache_policy/`` (every module that
 reads the app imports it, so any import here would close a cycle). Each key's type is named
 as a string: ``CORE`` holds a ``cache_policy.core.DecisionCore``, ``WEIGHT_UPDATER`` a
-``router.admin.WeightUpdater``, and so on.
+``router.weights.updater.WeightUpdater``, and so on.
 """
 
 from __future__ import annotations
@@ -18,4 +18,4 @@ METRICS = web.AppKey("metrics", "router.metrics.RouterMetrics")
 HTTP = web.AppKey("http", aiohttp.ClientSession)
 TOKENIZER = web.AppKey("tokenizer", "router.tokenize.PromptTokenizer")
 LIFECYCLE = web.AppKey("lifecycle", "router.lifecycle.Lifecycle")
-WEIGHT_UPDATER = web.AppKey("weight_updater", "router.admin.WeightUpdater")
+WEIGHT_UPDATER = web.AppKey("weight_updater", "router.weights.updater.WeightUpdater")

@@ -5,6 +5,9 @@
       -> attempt(job, endpoint)                                                   [carry out]
            ReplicaUnreachable: core.finish(unreachable) marks it unhealthy; place again
            RetryElsewhere:     core.finish(failed) on that replica; place again
+           Rerun / preempted:  core.finish(preempted); place again (a weight update took it back
+                               before anything reached the client, or its replica's version
+                               changed while it ran: router.weights, README "Version contract")
       -> core.finish(job, outcome)                                                [release]
 
 The decision core (``cache_policy.core``) decides everything; this module only waits, sends
@@ -21,18 +24,21 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import aiohttp
 
 from cache_policy.admission_state import Admission
 from cache_policy.core import DecisionCore, Job, Outcome, RequestSpec
+from cache_policy.types import ReplicaId
 from replicas.replica_set import ReplicaEndpoint
 from router.config import RouterConfig
 from router.errors import NoReplica, Overloaded, RouterError, UpstreamError
 from router.metrics import RouterMetrics
 from router.pool import ReplicaPool
 from router.proxy import ReplicaUnreachable
+from router.weights.report import first_span
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +51,34 @@ Attempt = Callable[[Job, ReplicaEndpoint], Awaitable[T]]
 class RetryElsewhere(Exception):
     """The replica failed the request before anything reached the client; it stays in rotation
     (a scoring batch with an incomplete row, a 5xx): run the whole request on another replica."""
+
+
+class Rerun(Exception):
+    """The job must run again whole, on any replica (the same one included), no failure counted:
+    its replica's weights changed while it ran and nothing reached the client."""
+
+
+class Stale(RouterError):
+    """The request's ``weight_version`` is more than ``router.max_staleness`` behind (409)."""
+
+    status = 409
+    type = "conflict"
+
+
+@dataclass(eq=False)
+class Flight:
+    """One dispatched attempt, as a weight update sees it (``Lifecycle.flights``).
+
+    ``streaming``: its answer streams to the client (it is kept across an update, never
+    preempted); ``tokens``: tokens relayed so far per choice index (streams); ``spans``: the
+    versions its tokens were computed under (``router.responses.span``), the last one current."""
+
+    job: Job
+    streaming: bool
+    task: asyncio.Task | None = None
+    preempted: str | None = None
+    tokens: dict[int, int] = field(default_factory=dict)
+    spans: list[dict[str, Any]] = field(default_factory=list)
 
 
 class Lifecycle:
@@ -67,13 +101,22 @@ class Lifecycle:
         self.queue_timeout_s = core.cfg.queue_timeout_s
         self._waiters: dict[int, asyncio.Future[Admission]] = {}
         self._rotation_changed = asyncio.Event()
+        self.flights: dict[ReplicaId, dict[int, Flight]] = {}
+        """Dispatched attempts per replica (what a weight update drains, preempts or marks)."""
+        self.reruns: dict[int, int] = {}
+        """Per job id, how many times a weight update made it run again (reported in its answer)."""
 
     async def run(self, spec: RequestSpec, attempt: Attempt[T], status: Callable[[T], int],
-                  failed: Callable[[T], bool] = lambda _: False) -> T:
+                  failed: Callable[[T], bool] = lambda _: False, *, streaming: bool = False) -> T:
         """Open, place, admit and run ``attempt`` until it succeeds, is refused, or retries run out.
 
-        Raises NoReplica (503), Overloaded (429), UpstreamError (502) or the attempt's own errors.
+        ``streaming``: the attempt relays a stream (kept across weight updates, never re-run).
+        Raises Stale (409), NoReplica (503), Overloaded (429), UpstreamError (502) or the attempt's own errors.
         """
+        if self.core.too_stale(spec.weight_version, getattr(self.cfg, "max_staleness", None)):
+            raise Stale(f"weight_version {spec.weight_version} is older than the current version "
+                        f"{self.core.versions.current} by more than router.max_staleness="
+                        f"{self.cfg.max_staleness}", param="weight_version")
         # shared state (router.state): versions confirmed and the request's pins adopted before
         # open chooses its salt; after placing, its pins are claimed (first writer wins)
         seen = await self.shared.before_open(self.core, spec) if self.shared is not None else None
@@ -84,11 +127,16 @@ class Lifecycle:
                 await self._place(job, seen)
                 if not await self._admit(job):
                     continue  # its replica left while it waited: place it again
-                self._dispatched(job)
+                if not self._dispatched(job):  # an update began while it waited on shared state
+                    self._finish(job, "preempted")
+                    continue
                 try:
-                    result = await attempt(job, self.pool.get(job.decision.replica_id).endpoint)
+                    result = await self._fly(job, attempt, streaming)
                 except (ReplicaUnreachable, RetryElsewhere) as exc:
                     self._retry(job, exc)
+                    continue
+                except Rerun as exc:
+                    self._rerun(job, str(exc))
                     continue
                 code = status(result)
                 outcome = "refused" if 400 <= code < 500 else "ok" if code < 400 else "failed"
@@ -102,7 +150,53 @@ class Lifecycle:
             outcome = "refused" if 400 <= exc.status < 500 else "failed"
             raise
         finally:
+            self.reruns.pop(job.id, None)
             self._finish(job, outcome)
+
+    async def _fly(self, job: Job, attempt: Attempt[T], streaming: bool) -> T:
+        """Run ``attempt`` as a task a weight update can preempt (``preempt``); Rerun if it did."""
+        rid = job.decision.replica_id
+        flight = Flight(job, streaming, spans=[first_span(self.core, job)])
+        flight.task = asyncio.ensure_future(attempt(job, self.pool.get(rid).endpoint))
+        self.flights.setdefault(rid, {})[job.id] = flight
+        try:
+            return await flight.task
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if flight.preempted is not None and not (task is not None and task.cancelling()):
+                raise Rerun(flight.preempted) from None
+            raise
+        finally:
+            self.flights.get(rid, {}).pop(job.id, None)
+
+    def flight(self, job: Job) -> Flight | None:
+        """The dispatched attempt of ``job``, if any."""
+        return self.flights.get(job.replica_id, {}).get(job.id)
+
+    def check_versions(self, job: Job) -> None:
+        """Rerun unless ``job``'s replica served one version from its dispatch until now: a
+        non-streamed answer (a scoring fan-out above all) is never mixed."""
+        seen = self.core.versions_since(job)
+        if len(seen) > 1:
+            raise Rerun(f"replica {job.replica_id} moved from version {seen[0]} to {seen[-1]} while the request ran")
+
+    def preempt(self, rid: ReplicaId, reason: str) -> int:
+        """Take back every non-streaming attempt on ``rid`` (they run again whole); the count."""
+        n = 0
+        for flight in list(self.flights.get(rid, {}).values()):
+            if not flight.streaming and flight.task is not None and not flight.task.done():
+                flight.preempted = reason
+                flight.task.cancel()
+                n += 1
+        return n
+
+    def _rerun(self, job: Job, reason: str) -> None:
+        rid = job.replica_id
+        log.info("job %s on %s runs again: %s", job.id, rid, reason)
+        self.reruns[job.id] = self.reruns.get(job.id, 0) + 1
+        self.metrics.retries.labels("weight_update").inc()
+        self.core.finish(job, "preempted", self.clock())
+        self._after_finish(rid)
 
     # -- decide --------------------------------------------------------------------------------
 
@@ -180,9 +274,11 @@ class Lifecycle:
 
     # -- carry out and release -----------------------------------------------------------------
 
-    def _dispatched(self, job: Job) -> None:
+    def _dispatched(self, job: Job) -> bool:
+        """Count ``job`` as sent; False when it may not be sent now (``core.dispatchable``)."""
         rid = job.decision.replica_id
         self.metrics.in_flight.labels(rid).set(self.core.in_flight(rid))
+        return self.core.dispatchable(job)
 
     def _retry(self, job: Job, exc: Exception) -> None:
         """Release ``job`` from the replica that failed it; raise UpstreamError when retries ran out."""

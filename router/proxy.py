@@ -19,6 +19,7 @@ import aiohttp
 from aiohttp import web
 
 from router.errors import UpstreamError
+from router.weights.stream import relay_events
 
 log = logging.getLogger(__name__)
 
@@ -125,12 +126,15 @@ def upstream_result(status: int, raw: bytes) -> UpstreamResult:
 
 
 async def relay_stream(client: web.Request, http: aiohttp.ClientSession, url: str, body: dict[str, Any],
-                       headers: dict[str, str]) -> web.StreamResponse | UpstreamResult:
+                       headers: dict[str, str], watch: Any = None) -> web.StreamResponse | UpstreamResult:
     """POST a streaming request and relay the server-sent events to ``client`` as they come.
 
     An upstream error status before streaming starts comes back as an :class:`UpstreamResult`
     (nothing sent to ``client``), for the caller to answer as it answers a non-streamed one.
     Raises ReplicaUnreachable when the replica cannot be reached before the first byte.
+    ``watch`` (``router.weights.report.StreamWatch``): relay event by event, let it count each
+    one as it is read, and give the final chunk before ``[DONE]`` its ``rollout_router`` object
+    (``router.weights.stream.relay_events``).
     """
     up = await _send(http, url, body)
     resp: web.StreamResponse | None = None
@@ -142,9 +146,12 @@ async def relay_stream(client: web.Request, http: aiohttp.ClientSession, url: st
         await resp.prepare(client)
         tail = b""
         try:
-            async for chunk in up.content.iter_any():
-                await resp.write(chunk)
-                tail = (tail + chunk)[-_TAIL_BYTES:]
+            if watch is not None:  # event by event, read ahead of the client (router.weights.stream)
+                tail = await relay_events(resp, up, watch, _TAIL_BYTES)
+            else:
+                async for chunk in up.content.iter_any():
+                    await resp.write(chunk)
+                    tail = (tail + chunk)[-_TAIL_BYTES:]
             await resp.write_eof()
             resp[CACHED_TOKENS] = stream_cached_tokens(tail)
         except ConnectionResetError:  # the client went away mid-stream: an expected outcome

@@ -1,8 +1,9 @@
 """What every answer says about how it was routed: headers and the ``rollout_router`` annotation.
 
-The version contract (DESIGN rule 6): ``weight_version`` is the version of the weights the
-replica served while the request ran (the last one when ``weight_versions``, every version
-loaded meanwhile, holds more than one); ``cache_salt`` names the version whose KV it reused.
+The version contract (DESIGN rule 6, README "Version contract"): ``weight_version`` is the
+version of the weights that computed the answer's last tokens, ``weight_versions`` every version
+that computed some, ``kv_versions`` the versions whose KV it reused (``cache_salt`` names it when
+salted), ``spans`` where a stream changed version (``router.weights.report``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from aiohttp import web
 from cache_policy.core import DecisionCore, Job
 from router.errors import with_router_param
 from router.proxy import UpstreamResult
+from router.weights.report import version_note
 
 
 def route_headers(job: Job, *, expose_cached: bool = True) -> dict[str, str]:
@@ -32,14 +34,15 @@ def route_headers(job: Job, *, expose_cached: bool = True) -> dict[str, str]:
     return headers
 
 
-def annotation(job: Job, core: DecisionCore, *, expose_cached: bool = True) -> dict[str, Any]:
-    """The ``rollout_router`` object of a JSON answer."""
+def annotation(job: Job, core: DecisionCore, *, expose_cached: bool = True, cached: int | None = None,
+               spans: list[dict[str, Any]] | None = None, reruns: int = 0) -> dict[str, Any]:
+    """The ``rollout_router`` object of an answer; its version fields (``weight_version``,
+    ``weight_versions``, ``kv_versions``, ``hybrid``, ``spans``, ``reruns``) are
+    ``router.weights.report.version_note``'s. ``cached``: prompt tokens the replica reused."""
     requested = job.spec.weight_version
-    versions = core.versions_since(job) or ([] if job.weight_version is None else [job.weight_version])
     out = {
         "replica": job.replica_id, "route_reason": job.decision.reason.value, "cache_salt": job.salt,
-        "weight_version": versions[-1] if versions else requested, "weight_versions": versions,
-        "requested_weight_version": requested,
+        **version_note(core, job, spans, cached, reruns), "requested_weight_version": requested,
     }
     if expose_cached:
         out["expected_cached_tokens"] = job.expected_cached_tokens
@@ -47,12 +50,15 @@ def annotation(job: Job, core: DecisionCore, *, expose_cached: bool = True) -> d
 
 
 def json_answer(result: UpstreamResult, job: Job, core: DecisionCore, endpoint: str, *,
-                expose_cached: bool = True) -> web.Response:
+                expose_cached: bool = True, spans: list[dict[str, Any]] | None = None,
+                reruns: int = 0) -> web.Response:
     """A replica's whole answer for the client: annotated on 200, its 4xx with our field names."""
     headers = route_headers(job, expose_cached=expose_cached)
     payload = result.payload
     if result.status == 200 and isinstance(payload, dict):
-        payload["rollout_router"] = annotation(job, core, expose_cached=expose_cached)
+        cached = ((payload.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
+        payload["rollout_router"] = annotation(job, core, expose_cached=expose_cached, spans=spans, reruns=reruns,
+                                               cached=cached if isinstance(cached, int) else None)
         return web.Response(text=json.dumps(payload), status=200, content_type="application/json", headers=headers)
     if 400 <= result.status < 500 and isinstance(payload, dict):
         return web.Response(text=json.dumps(with_router_param(payload, endpoint)), status=result.status,

@@ -126,19 +126,24 @@ async def score(request: web.Request) -> web.Response:
     spec = RequestSpec(context, k.session_id, k.group_id, k.weight_version, k.tenant, "score",
                        new_tokens=sum(len(r) + 1 for r in req.responses), fan_out=len(req.responses))
 
-    async def attempt(job: Job, endpoint: ReplicaEndpoint) -> tuple[Job, ReplicaEndpoint, list[dict[str, Any]]]:
+    expose = getattr(app[keys.CONFIG].router, "expose_expected_cached_tokens", True)
+
+    async def attempt(job: Job, endpoint: ReplicaEndpoint):
         rows = await _gather_or_cancel(_score_one(life.http, endpoint, job, req, context, cap, r)
                                        for cap, r in zip(caps, req.responses))
+        life.check_versions(job)  # every row from one version's weights over its own KV, or run it again
         metrics.count_prompt(job, sum(len(context) + len(r) for r in req.responses),
                              sum(row["cached_tokens"] for row in rows))
-        return job, endpoint, rows
+        flight = life.flight(job)
+        note = annotation(job, core, expose_cached=expose, spans=flight.spans if flight else None,
+                          reruns=life.reruns.get(job.id, 0))
+        return job, endpoint, rows, note
 
-    job, endpoint, results = await life.run(spec, attempt, status=lambda _: 200)
-    expose = getattr(app[keys.CONFIG].router, "expose_expected_cached_tokens", True)
-    note = annotation(job, core, expose_cached=expose)
+    job, endpoint, results, note = await life.run(spec, attempt, status=lambda _: 200)
     return web.json_response({
         "replica": job.replica_id, "context_tokens": len(context), "score_start": caps[0].start,
         "scoring_cap": endpoint.scoring_cap,
-        **{f: note[f] for f in ("cache_salt", "weight_version", "weight_versions", "requested_weight_version")},
+        **{f: note[f] for f in ("cache_salt", "weight_version", "weight_versions", "kv_versions", "hybrid",
+                                "reruns", "requested_weight_version")},
         "results": [{"index": i, **r} for i, r in enumerate(results)],
     }, headers=route_headers(job, expose_cached=expose))

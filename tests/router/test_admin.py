@@ -48,3 +48,41 @@ def test_router_config_checks_the_new_knobs():
         AppConfig().replace(router={"weight_update_mode": "canary"})
     with pytest.raises(ValueError, match="admission_default_max_tokens"):
         AppConfig().replace(router={"admission_default_max_tokens": 0})
+
+
+def test_drain_defaults_follow_the_pause_mode():
+    cfg = AppConfig().replace(router={"weight_update_drain_s": 120.0})
+    wait = parse_update({"version": 3, "weights_path": "/c", "pause_mode": "wait"}, cfg, IDS, current=2)
+    keep = parse_update({"version": 3, "weights_path": "/c", "pause_mode": "keep"}, cfg, IDS, current=2)
+    given = parse_update({"version": 3, "weights_path": "/c", "pause_mode": "abort", "drain_timeout_s": 5}, cfg, IDS,
+                         current=2)
+    assert (wait.drain_timeout_s, keep.drain_timeout_s, given.drain_timeout_s) == (120.0, 0.0, 5.0)
+
+
+def test_two_phase_bodies():
+    from router.weights.requests import parse_abort, parse_begin, parse_commit
+
+    cfg = AppConfig().replace(router={"weight_update_commit_timeout_s": 30.0, "weight_update_mode": "rolling"})
+    begin = parse_begin({"version": 4, "transfer": "vllm", "replicas": ["replica-0"]}, cfg, IDS, current=3)
+    assert (begin.weights_path, begin.mode, begin.transfer, begin.commit_timeout_s, begin.replicas) == \
+        (None, "all", "vllm", 30.0, ("replica-0",))
+    assert parse_commit({"version": 4}) == (4, None) and parse_commit({"version": 4, "weights_path": "/c"}) == (4, "/c")
+    assert parse_abort({"version": 4}) == (4, True) and parse_abort({"version": 4, "restore": False}) == (4, False)
+    for parse, body, param in [(parse_commit, {"version": 4, "weights_path": ""}, "weights_path"),
+                               (parse_abort, {"version": 4, "restore": "yes"}, "restore"),
+                               (parse_commit, {}, "version")]:
+        with pytest.raises(BadRequest) as err:
+            parse(body)
+        assert err.value.param == param
+    for body, param in [({"version": 4, "transfer": "nccl"}, "transfer"), ({"version": 4, "commit_timeout_s": 0},
+                                                                            "commit_timeout_s"),
+                        ({"version": 4, "drain_timeout_s": -1}, "drain_timeout_s")]:
+        with pytest.raises(BadRequest) as err:
+            parse_begin(body, cfg, IDS, current=3)
+        assert err.value.param == param
+
+
+def test_router_config_checks_the_update_knobs():
+    for name, value in [("max_staleness", -1), ("weight_update_drain_s", -1), ("weight_update_commit_timeout_s", 0)]:
+        with pytest.raises(ValueError, match=name):
+            AppConfig().replace(router={name: value})

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import random
 
 import aiohttp
@@ -41,7 +42,7 @@ async def small():
 
 @pytest_asyncio.fixture(loop_scope="session")
 async def http(small):
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300), middlewares=(small.auth,)) as session:
         result = await update_weights(session, small.endpoints[0].base_url, SEED0, reset_prefix_cache=True)
         assert result.ok, result
         yield session
@@ -93,7 +94,7 @@ def close(a: dict[str, float], b: dict[str, float]) -> bool:
     return a.keys() == b.keys() and all(abs(a[k] - b[k]) <= LOGPROB_ATOL for k in a)
 
 
-async def test_salt_new_session_misses_and_matches_the_new_checkpoint_old_version_still_hits(http, small):
+async def test_salt_new_session_misses_and_matches_the_new_checkpoint_old_version_is_resalted(http, small):
     base = small.endpoints[0].base_url
     tokens = prompt(1, 600)
     async with router_for(small, "salt") as (url, _):
@@ -117,9 +118,12 @@ async def test_salt_new_session_misses_and_matches_the_new_checkpoint_old_versio
                                 cache_salt="fresh-scoring")
         assert scored["choices"][0]["prompt_logprobs"] == direct["choices"][0]["prompt_logprobs"]
 
+        # tagged with v0, which no replica serves now: salted for v1, whose weights compute it (issue 10)
         old = await complete(http, url, tokens, {"X-Weight-Version": "0"})
-        assert old["rollout_router"]["cache_salt"] == "rr:v0" and cached(old) == (len(tokens) - 1) // BLOCK * BLOCK
-        assert old["rollout_router"]["weight_version"] == 1  # produced by the weights now loaded
+        note = old["rollout_router"]
+        assert (note["cache_salt"], note["weight_version"], note["requested_weight_version"]) == ("rr:v1", 1, 0)
+        assert note["kv_versions"] == [1] and not note["hybrid"]
+        assert cached(old) == (len(tokens) - 1) // BLOCK * BLOCK  # v1's own blocks of the same prompt
 
 
 async def test_keep_plus_salt_live_session_keeps_hitting_new_group_does_not(http, small):
@@ -159,38 +163,49 @@ async def test_steps_without_a_weight_change_keep_hitting(http, small):
         assert {r["rollout_router"]["cache_salt"] for r in results} == {"rr:v4"}
 
 
-async def test_flush_with_a_long_request_in_flight_is_confirmed_or_reported(http, small):
-    base = small.endpoints[0].base_url
+async def test_flush_with_a_long_request_in_flight_runs_it_again_under_the_new_weights(http, small):
     repeated = prompt(5, 200)
     async with router_for(small, "flush") as (url, _):
         await complete(http, url, repeated)
         assert cached(await complete(http, url, repeated)) == 192
         long = asyncio.ensure_future(complete(http, url, prompt(6, 100), max_tokens=1200))
-        for _ in range(200):
-            if (await fetch_metrics(http, base)).num_running >= 1:
-                break
-            await asyncio.sleep(0.05)
-
-        body = {"version": 1, "weights_path": SEED1, "pause_mode": "keep", "preempt_running": False}
-        async with http.post(url + "/admin/weights", json=body, headers=ADMIN) as r:
-            refused = await r.json()
-        replica = refused["replicas"][0]
-        if r.status == 200:  # the long request ended before the pause: the reset went through...
-            assert refused["ok"] and replica["reset_confirmed"] is True, refused
-            assert cached(await complete(http, url, repeated)) == 0  # ...and really flushed
-            await asyncio.wait_for(long, 300)
-            return
-        assert r.status == 502 and not refused["ok"], refused
-        assert replica["reset_confirmed"] is False and "prefix cache not reset" in replica["error"]
-        assert replica["weight_version"] == 1 and replica["weights"] == "new"  # loaded, cache not flushed
-        async with http.get(url + "/admin/weights", headers=ADMIN) as r:
-            state = (await r.json())["replicas"]["replica-0"]
-        assert not state["in_rotation"] and state["out_of_rotation_reason"].startswith("failed")
-        assert cached(await complete(http, base, repeated, model="tiny-llama")) == 192  # really not flushed
-
-        confirmed = await update(http, url, 1, SEED1, pause_mode="keep", preempt_running=True)
-        assert confirmed["replicas"][0]["reset_confirmed"] is True
+        await wait_running(http, small.endpoints[0].base_url)
+        report = await update(http, url, 1, SEED1, pause_mode="keep")
+        replica = report["replicas"][0]
+        assert replica["reset_confirmed"] is True and replica["preempted"] == 1, report
         assert cached(await complete(http, url, repeated)) == 0  # really flushed
         finished = await asyncio.wait_for(long, 300)
-        assert finished["usage"]["completion_tokens"] == 1200
-        assert finished["rollout_router"]["weight_versions"] == [0, 1]  # mixed tokens, reported
+        note = finished["rollout_router"]
+        assert finished["usage"]["completion_tokens"] == 1200  # taken back before anything reached us, run again
+        assert (note["weight_versions"], note["reruns"], note["hybrid"]) == ([1], 1, False)
+
+
+async def test_flush_refused_by_a_kept_stream_restores_the_old_weights_and_serves_them(http, small):
+    repeated = prompt(7, 200)
+    async with router_for(small, "flush") as (url, _):
+        await complete(http, url, repeated)
+        body = {"prompt": prompt(8, 100), "max_tokens": 1900, "ignore_eos": True, "stream": True}
+        resp = await http.post(url + "/v1/completions", json=body)
+        first = await resp.content.readline()  # streaming: it runs now
+        assert first.startswith(b"data: {"), first
+        update_body = {"version": 1, "weights_path": SEED1, "pause_mode": "keep", "preempt_running": False}
+        async with http.post(url + "/admin/weights", json=update_body, headers=ADMIN) as r:
+            refused = await r.json()
+        replica = refused["replicas"][0]
+        assert r.status == 502 and replica["reset_confirmed"] is False and replica["kept_streams"] == 1, \
+            json.dumps(refused)
+        assert (replica["weights"], replica["weight_version"], replica["in_rotation"]) == ("previous", 0, True)
+        assert "prefix cache not reset" in replica["error"]
+        assert cached(await complete(http, url, repeated)) == 192  # old weights, old cache: still consistent
+        async with resp:
+            events = [line for line in (await resp.read()).split(b"\n\n") if line.startswith(b"data: {")]
+        note = json.loads(events[-1][6:])["rollout_router"]
+        assert (note["weight_versions"], note["hybrid"], len(note["spans"])) == ([0], False, 1)
+
+
+async def wait_running(http, base: str) -> None:
+    for _ in range(200):
+        if (await fetch_metrics(http, base)).num_running >= 1:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("the long request never started running")

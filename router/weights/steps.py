@@ -1,0 +1,224 @@
+"""One replica's weight update, step by step (README "Version contract").
+
+    hold     out of rotation (no new dispatch), published to the other routers first
+    settle   drain: wait until no request of any router runs or waits there and the engine is
+             idle (``drain_timeout_s``); what is left is dealt with by ``pause_mode``:
+               wait   the replica is not updated (released on its old weights, reported)
+               keep   non-streamed attempts are taken back and run again whole (``Lifecycle.preempt``);
+                      streams are frozen by ``/pause?mode=keep`` and continue after the update
+               abort  the same, but ``/pause?mode=abort`` ends the streams (finish_reason "abort")
+             then ``/pause`` (``clear_cache=false``); ``transfer: vllm`` adds ``/start_weight_update``
+    load     folder form: ``reload_weights`` (the previous folder is restored if it fails)
+    commit   the policy: ``flush`` resets the prefix cache (confirmed); under ``salt`` a reset
+             preempts kept streams so they recompute over new KV; a refused reset restores the
+             previous weights; the version is recorded, kept streams enter a new span, resume,
+             back in rotation
+    release  abort: previous weights (restored from their folder if asked), resume, back in rotation
+
+Every step records what it did in a :class:`ReplicaUpdate`; nothing here raises for a replica's
+failure. A replica goes back into rotation whenever it serves known weights and resumed; only
+one whose weights are undefined (a failed load and a failed restore) or whose resume failed stays out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from cache_policy.types import ReplicaId
+from replicas.weights import ReplicaControl, WeightsState
+from router.lifecycle import Lifecycle
+from router.weights.report import next_span
+
+DRAIN_POLL_S = 0.05
+QUIET_S, QUIET_MAX_S = 0.1, 2.0
+"""A kept stream's token count must stand still this long (at most the second) before its span ends."""
+PREEMPT_SETTLE_S = 5.0
+"""How long preempted attempts get to leave the replica (their upstream connections closed)."""
+
+
+@dataclass
+class ReplicaUpdate:
+    """What an update did to one replica so far (``GET /admin/weights`` shows it)."""
+
+    replica: str
+    phase: str = "queued"
+    """queued | draining | paused (ready for weights) | loading | committing | done | released | failed"""
+    ok: bool = False
+    weights: WeightsState = "previous"
+    weight_version: int | None = None
+    in_rotation: bool = True
+    drained: bool | None = None
+    preempted: int = 0
+    """Non-streamed attempts taken back and run again (nothing had reached their clients)."""
+    kept_streams: int = 0
+    """Streams frozen across the update (keep) or ended by it (abort)."""
+    reset_confirmed: bool | None = None
+    error: str | None = None
+    seconds: float = 0.0
+    paused_s: float = 0.0
+    """Seconds the engine was paused (``/pause`` answered to ``/resume`` answered)."""
+    started: float = field(default_factory=time.monotonic, repr=False)
+    paused_at: float | None = field(default=None, repr=False)
+
+    def note(self, error: str | None) -> bool:
+        """Add ``error`` (if any) to the record; True when there was none."""
+        if error:
+            self.error = f"{self.error}; {error}" if self.error else error
+        return error is None
+
+    def as_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out.pop("started"), out.pop("paused_at")
+        out["seconds"] = round(time.monotonic() - self.started, 3) if self.phase not in (
+            "done", "released", "failed") else round(self.seconds, 3)
+        out["paused_s"] = round(self.paused_s, 3)
+        return out
+
+
+class Steps:
+    """The steps of one update over the router's replicas (see the module docstring)."""
+
+    def __init__(self, life: Lifecycle, paths: dict[ReplicaId, str | None]) -> None:
+        self.life, self.core, self.paths = life, life.core, paths
+
+    def control(self, rid: ReplicaId) -> ReplicaControl:
+        return ReplicaControl(self.life.http, self.life.pool.get(rid).endpoint.base_url)
+
+    async def publish(self) -> bool:
+        """Versions and rotation to the other routers (``router.state``); True without any."""
+        shared = self.life.shared
+        return True if shared is None else bool(await shared.publish_versions(self.core))
+
+    async def hold(self, rid: ReplicaId, rec: ReplicaUpdate) -> bool:
+        """Out of rotation; False (and back in) when the others could not be told."""
+        self.core.set_rotation(rid, "updating")
+        self.life.rotation_changed()
+        rec.in_rotation, rec.weight_version = False, self.core.versions.loaded.get(rid)
+        if await self.publish():
+            return True
+        self.core.set_rotation(rid, None)
+        self.life.rotation_changed()
+        rec.in_rotation, rec.phase = True, "failed"
+        rec.note("shared state unreachable: other routers could not be told to hold dispatch; not updated")
+        return False
+
+    async def settle(self, rid: ReplicaId, rec: ReplicaUpdate, pause_mode: str, drain_s: float,
+                     transfer: bool = False) -> bool:
+        """Drain, deal with what is left by ``pause_mode``, pause; True when paused (ready)."""
+        rec.phase = "draining"
+        ctl = self.control(rid)
+        rec.drained = await self._drain(rid, ctl, drain_s)
+        if not rec.drained:
+            if pause_mode == "wait":
+                rec.note(f"in-flight requests did not finish within drain_timeout_s={drain_s}; not updated "
+                         "(pause_mode 'wait' never aborts or mixes work)")
+                return False
+            rec.preempted = self.life.preempt(rid, f"replica {rid} is being updated ({pause_mode})")
+            await self._leave(rid)
+        streams = [f for f in self.life.flights.get(rid, {}).values() if f.streaming]
+        rec.kept_streams = len(streams)
+        rec.paused_at = time.monotonic()  # from here on, release() resumes: a failed pause may have paused
+        if not rec.note(await ctl.pause(pause_mode)):  # type: ignore[arg-type]
+            return False
+        if transfer and not rec.note(await ctl.start_transfer()):
+            return False
+        rec.phase = "paused"
+        return True
+
+    async def load(self, rid: ReplicaId, rec: ReplicaUpdate, path: str) -> bool:
+        """Folder form: reload ``path``; True when the new weights are in."""
+        rec.phase = "loading"
+        rec.weights, error = await self.control(rid).load(path, self.paths.get(rid))
+        rec.note(error)
+        return rec.weights == "new"
+
+    async def commit(self, rid: ReplicaId, rec: ReplicaUpdate, version: int, policy: str, preempt_running: bool,
+                     *, transfer: bool = False, new_path: str | None = None) -> None:
+        """New weights are in: apply ``policy``, record ``version``, mark kept streams, resume.
+        ``new_path``: a folder holding them (restores later updates), None when pushed."""
+        rec.phase, rec.weights = "committing", "new"
+        ctl = self.control(rid)
+        kept = rec.kept_streams > 0
+        preempt = kept and (policy == "salt" or (policy == "flush" and preempt_running))
+        if policy == "flush" or preempt:
+            outcome = await ctl.reset(preempt)
+            rec.reset_confirmed = outcome.confirmed
+            if not outcome.confirmed:
+                rec.note(f"prefix cache not reset ({outcome.detail}): the new weights would run over old KV")
+                rec.weights, error = await ctl.restore(self.paths.get(rid), "commit refused")
+                rec.note(error if rec.weights != "previous" else None)
+                return await self._resume(rid, rec, ctl)
+        if transfer:
+            rec.note(await ctl.finish_transfer(f"v{version}"))
+        self.core.version_loaded(rid, version)
+        self.paths[rid] = new_path  # pushed weights have no folder unless the trainer names one
+        if rec.reset_confirmed:
+            self.core.cache_reset(rid)
+        await self._new_spans(rid, version, recomputed=bool(rec.reset_confirmed) and preempt)
+        rec.weight_version = version
+        self.core.finish_update(version, policy)  # type: ignore[arg-type]  # new work moves to it
+        await self._resume(rid, rec, ctl)
+        rec.ok = rec.in_rotation and rec.error is None
+
+    async def release(self, rid: ReplicaId, rec: ReplicaUpdate, restore: bool) -> None:
+        """Abort: back on the previous weights (reloaded from their folder when ``restore``)."""
+        ctl = self.control(rid)
+        if restore and rec.paused_at is not None:
+            rec.weights, error = await ctl.restore(self.paths.get(rid), "update aborted")
+            rec.note(None if rec.weights == "previous" else error)
+        await self._resume(rid, rec, ctl, released=True)
+
+    async def _resume(self, rid: ReplicaId, rec: ReplicaUpdate, ctl: ReplicaControl, released: bool = False) -> None:
+        """Resume (unless the weights are undefined) and put ``rid`` back when it serves known weights."""
+        if rec.weights == "undefined":
+            self.core.version_loaded(rid, None)
+            rec.note("replica left paused: resuming with undefined weights would crash its engine")
+        elif rec.paused_at is None or rec.note(await ctl.resume()):
+            if rec.paused_at is not None:
+                rec.paused_s = time.monotonic() - rec.paused_at
+            self.core.set_rotation(rid, None)
+            rec.in_rotation = True
+        if not rec.in_rotation:
+            self.core.set_rotation(rid, f"failed: {rec.error}")
+        rec.weight_version = self.core.versions.loaded.get(rid)
+        rec.phase = "failed" if not rec.in_rotation else ("released" if released or rec.weights != "new" else "done")
+        rec.seconds = time.monotonic() - rec.started
+        self.life.rotation_changed()
+        await self.publish()
+
+    async def _drain(self, rid: ReplicaId, ctl: ReplicaControl, timeout_s: float) -> bool:
+        """Wait until no router has work on ``rid`` and its engine runs and queues nothing."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.core.in_flight_all(rid) == 0 and await ctl.engine_busy() in (0, None):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(DRAIN_POLL_S)
+
+    async def _leave(self, rid: ReplicaId) -> None:
+        """Let preempted attempts finish leaving (their connections closed: vLLM aborts them)."""
+        deadline = time.monotonic() + PREEMPT_SETTLE_S
+        while time.monotonic() < deadline and any(
+                not f.streaming for f in self.life.flights.get(rid, {}).values()):
+            await asyncio.sleep(DRAIN_POLL_S)
+
+    async def _new_spans(self, rid: ReplicaId, version: int, recomputed: bool) -> None:
+        """Kept streams enter a span of ``version`` from the tokens counted so far. The engine is
+        paused, so once each stream's count has stood still for ``QUIET_S`` every token it made
+        before the pause has been read (``router.weights.stream`` reads ahead of the client)."""
+        streams = [f for f in self.life.flights.get(rid, {}).values() if f.streaming]
+        deadline, last, since = time.monotonic() + QUIET_MAX_S, None, time.monotonic()
+        while streams and time.monotonic() < deadline:
+            counts = [dict(f.tokens) for f in streams]
+            if counts != last:
+                last, since = counts, time.monotonic()
+            elif time.monotonic() - since >= QUIET_S:
+                break
+            await asyncio.sleep(DRAIN_POLL_S / 2)
+        for flight in self.life.flights.get(rid, {}).values():
+            if flight.streaming and flight.spans and flight.spans[-1]["weight_version"] != version:
+                flight.spans.append(next_span(flight.spans, flight.tokens, version, recomputed))

@@ -1,0 +1,105 @@
+"""A relayed stream that says which versions computed its tokens (README "Version contract").
+
+:func:`relay_events` reads the replica's events as fast as they come, ahead of the client, and
+counts each one's tokens when it is *read* (``StreamWatch.on_event``), so when a weight update
+marks where a kept stream changes version (``router.weights.steps``), every token the engine
+produced before its pause is already counted, however slowly the client reads. Token chunks go to
+the client at once; a chunk that may be the last one (a finish reason, usage, or no choices) is
+held until the next event, so the chunk before ``[DONE]`` gets the ``rollout_router`` object
+(or, when none was held, a chunk of its own with ``choices: []``, as vLLM's usage chunk).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+
+async def relay_events(resp: web.StreamResponse, up: aiohttp.ClientResponse, watch: Any, tail_bytes: int) -> bytes:
+    """Relay ``up``'s events to ``resp``; the last ``tail_bytes`` bytes read. Raises what reading
+    upstream raised (aiohttp.ClientError, asyncio.TimeoutError) or writing to the client did."""
+    queue: asyncio.Queue = asyncio.Queue()
+    reader = asyncio.ensure_future(_read(up, watch, queue, tail_bytes))
+    writer = _Writer(resp, watch)
+    try:
+        while (item := await queue.get()) is not None:
+            if isinstance(item, BaseException):
+                raise item
+            await writer.event(*item)
+        await writer.flush()
+        return reader.result() if reader.done() else await reader
+    finally:
+        if not reader.done():
+            reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
+
+
+async def _read(up: aiohttp.ClientResponse, watch: Any, queue: asyncio.Queue, tail_bytes: int) -> bytes:
+    tail = buf = b""
+    try:
+        async for chunk in up.content.iter_any():
+            tail = (tail + chunk)[-tail_bytes:]
+            buf += chunk
+            while b"\n\n" in buf:
+                raw, buf = buf.split(b"\n\n", 1)
+                event = _decode(raw)
+                if event is not None:
+                    watch.on_event(event)
+                queue.put_nowait((raw, event))
+        if buf:
+            queue.put_nowait((buf, None))
+        queue.put_nowait(None)
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        queue.put_nowait(exc)
+    return tail
+
+
+class _Writer:
+    def __init__(self, resp: web.StreamResponse, watch: Any) -> None:
+        self.resp, self.watch = resp, watch
+        self.held: dict[str, Any] | None = None
+        self.last: dict[str, Any] = {}
+
+    async def event(self, raw: bytes, event: dict[str, Any] | None) -> None:
+        if raw.startswith(b"data:") and raw[5:].strip() == b"[DONE]":
+            final = self.held or {k: self.last[k] for k in ("id", "object", "created", "model") if k in self.last}
+            final = {**final, "choices": final.get("choices", []), "rollout_router": self.watch.final(_cached(self.held))}
+            self.held = None
+            await self.resp.write(b"data: " + json.dumps(final).encode() + b"\n\n" + raw + b"\n\n")
+            return
+        await self.flush()
+        if event is None:
+            await self.resp.write(raw + b"\n\n")
+            return
+        self.last = event
+        choices = event.get("choices") or []
+        if event.get("usage") or not choices or any(isinstance(c, dict) and c.get("finish_reason") for c in choices):
+            self.held = event
+        else:
+            await self.resp.write(raw + b"\n\n")
+
+    async def flush(self) -> None:
+        if self.held is not None:
+            held, self.held = self.held, None
+            await self.resp.write(b"data: " + json.dumps(held).encode() + b"\n\n")
+
+
+def _decode(raw: bytes) -> dict[str, Any] | None:
+    """A ``data:`` event's JSON object (not an error event), else None."""
+    if not raw.startswith(b"data:"):
+        return None
+    try:
+        event = json.loads(raw[5:])
+    except ValueError:
+        return None
+    return event if isinstance(event, dict) and "error" not in event else None
+
+
+def _cached(event: dict[str, Any] | None) -> int | None:
+    usage = (event or {}).get("usage") or {}
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    return cached if isinstance(cached, int) else None

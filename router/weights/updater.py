@@ -1,0 +1,270 @@
+"""One weight update at a time over the router's replicas, owned by the app (issue 10).
+
+Every operation (folder update, begin, commit, abort) runs as a task the updater owns; the HTTP
+handler awaits it shielded, so a trainer whose client times out or disconnects cancels only its
+wait: the update runs to its end or rolls back, and the same call made again (same version)
+joins it or returns its report (idempotent by version). A two-phase update not committed within
+``commit_timeout_s`` is aborted by the router. Across routers the update holds the shared update
+lock (``router.state``: ``acquire_update_lock``), refreshed while it runs, and publishes versions
+and rotation after each replica step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any, Awaitable
+
+from cache_policy.types import ReplicaId
+from router.errors import NoReplica
+from router.lifecycle import Lifecycle
+from router.weights.requests import UpdateRequest
+from router.weights.steps import ReplicaUpdate, Steps
+from router.weights.update import LOCK_TTL_S, Update, UpdateInProgress
+
+log = logging.getLogger(__name__)
+
+class WeightUpdater:
+    """Runs weight updates for one router app (``router.admin`` handlers call it)."""
+
+    def __init__(self, life: Lifecycle, paths: dict[ReplicaId, str | None]) -> None:
+        self.life, self.core = life, life.core
+        self.paths = paths
+        self.steps = Steps(life, paths)
+        self.active: Update | None = None
+        self.last: Update | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self._owner: str | None = None
+
+    # -- the calls ------------------------------------------------------------------------------
+
+    async def update(self, req: UpdateRequest) -> dict[str, Any]:
+        """Folder form: hold, settle, load, commit each target (rolling or all at once)."""
+        active = self.active
+        if active is not None and active.kind == "folder" and active.req == req and active.task is not None:
+            return await self._join(active.task)  # the same call again (a client that timed out): join it
+        upd = await self._start(req, "folder")
+        upd.task = self._spawn(self._folder(upd))
+        return await self._join(upd.task)
+
+    async def begin(self, req: UpdateRequest) -> dict[str, Any]:
+        """Two-phase: hold and settle every target; the report says which are ready for weights."""
+        active = self.active
+        if active is not None and active.kind == "push" and active.req.version == req.version:
+            return await self._join(active.task) if active.task is not None else self.report(active)
+        upd = await self._start(req, "push")
+        upd.task = self._spawn(self._begin(upd))
+        return await self._join(upd.task)
+
+    async def commit(self, version: int, weights_path: str | None) -> dict[str, Any]:
+        """Two-phase: the trainer pushed ``version``: apply the policy, record it, resume."""
+        upd = self._named(version, "commit")
+        if upd.phase in ("done", "aborted", "committing") or upd is not self.active:
+            return await self._join(upd.task) if upd.task is not None and not upd.task.done() else self.report(upd)
+        if upd.phase != "ready":
+            raise UpdateInProgress(f"update {version} is {upd.phase}; commit once begin has answered")
+        upd.phase = "committing"
+        upd.task = self._spawn(self._finish(upd, lambda rid, rec: self.steps.commit(
+            rid, rec, version, upd.req.policy, upd.req.preempt_running, transfer=upd.req.transfer == "vllm",
+            new_path=weights_path), "done"))
+        return await self._join(upd.task)
+
+    async def abort(self, version: int, restore: bool) -> dict[str, Any]:
+        """Two-phase: resume every target on its previous weights (reloaded first when ``restore``)."""
+        upd = self._named(version, "abort")
+        if upd is not self.active or upd.phase in ("committing", "aborting"):
+            return await self._join(upd.task) if upd.task is not None and not upd.task.done() else self.report(upd)
+        if upd.task is not None and not upd.task.done():
+            await self._join(upd.task)  # begin still settling: abort when it has
+        upd.phase = "aborting"
+        upd.task = self._spawn(self._finish(upd, lambda rid, rec: self.steps.release(rid, rec, restore), "aborted"))
+        return await self._join(upd.task)
+
+    def report(self, upd: Update) -> dict[str, Any]:
+        return upd.report(self.core.versions.describe())
+
+    def describe(self) -> dict[str, Any]:
+        """``GET /admin/weights``: versions, rotation and each replica's update phase."""
+        state = self.core.versions.describe()
+        active = self.active
+        for rid, rep in state["replicas"].items():
+            rec = active.replicas.get(rid) if active is not None else None
+            rep["phase"] = rec.phase if rec is not None else "serving" if rep["in_rotation"] else "out"
+        return {**state, "update": self.report(active) if active is not None else None,
+                "last_update": self.report(self.last) if self.last is not None else None}
+
+    async def close(self) -> None:
+        """App shutdown: let running updates end (each step is bounded by its own timeouts); a
+        two-phase update still waiting for its trainer is aborted (restored)."""
+        active = self.active
+        if active is not None and active.kind == "push":
+            with contextlib.suppress(Exception):
+                await self.abort(active.req.version, restore=True)
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    # -- runs -----------------------------------------------------------------------------------
+
+    async def _folder(self, upd: Update) -> dict[str, Any]:
+        try:
+            targets = list(upd.replicas)
+            if upd.req.mode == "all":
+                await asyncio.gather(*(self._hold(rid, upd) for rid in targets))
+                await asyncio.gather(*(self._one(rid, upd, held=True) for rid in targets))
+            else:
+                for rid in targets:
+                    await self._one(rid, upd)
+            if not targets:
+                self.core.finish_update(upd.req.version, upd.req.policy)  # type: ignore[arg-type]
+            upd.phase = "done"
+            return self.report(upd)
+        finally:
+            await self._end(upd)
+
+    async def _one(self, rid: ReplicaId, upd: Update, held: bool = False) -> None:
+        rec, req = upd.replicas[rid], upd.req
+        try:
+            if not held and not await self._hold(rid, upd):
+                return
+            if rec.phase == "failed":
+                return
+            if not await self.steps.settle(rid, rec, req.pause_mode, req.drain_timeout_s):
+                return await self.steps.release(rid, rec, restore=False)
+            if await self.steps.load(rid, rec, req.weights_path or ""):
+                await self.steps.commit(rid, rec, req.version, req.policy, req.preempt_running,
+                                        new_path=req.weights_path)
+            else:
+                await self.steps.release(rid, rec, restore=False)  # previous (restored) or undefined
+        except Exception as exc:  # noqa: BLE001 - a bug must not leave the replica paused or out
+            await self._rescue(rid, rec, exc)
+
+    async def _hold(self, rid: ReplicaId, upd: Update) -> bool:
+        return await self.steps.hold(rid, upd.replicas[rid])
+
+    async def _begin(self, upd: Update) -> dict[str, Any]:
+        req = upd.req
+        try:
+            held = [rid for rid in upd.replicas if await self._hold(rid, upd)]
+
+            async def settle(rid: ReplicaId) -> None:
+                rec = upd.replicas[rid]
+                try:
+                    if not await self.steps.settle(rid, rec, req.pause_mode, req.drain_timeout_s,
+                                                   transfer=req.transfer == "vllm"):
+                        await self.steps.release(rid, rec, restore=False)
+                except Exception as exc:  # noqa: BLE001
+                    await self._rescue(rid, rec, exc)
+            await asyncio.gather(*(settle(rid) for rid in held))
+        except BaseException:
+            await self._end(upd)
+            raise
+        if not any(r.phase == "paused" for r in upd.replicas.values()):
+            upd.phase = "aborted"
+            await self._end(upd)
+        else:
+            upd.phase, upd.ready_at = "ready", time.monotonic()
+        return self.report(upd)
+
+    async def _finish(self, upd: Update, step, phase: str) -> dict[str, Any]:
+        try:
+            async def one(rid: ReplicaId, rec: ReplicaUpdate) -> None:
+                try:
+                    await step(rid, rec)
+                except Exception as exc:  # noqa: BLE001
+                    await self._rescue(rid, rec, exc)
+            await asyncio.gather(*(one(rid, rec) for rid, rec in upd.replicas.items() if rec.phase == "paused"))
+            upd.phase = phase
+            return self.report(upd)
+        finally:
+            await self._end(upd)
+
+    async def _keeper(self, upd: Update) -> None:
+        """While ``upd`` runs: refresh the shared lock; abort a two-phase update whose trainer did
+        not commit within ``commit_timeout_s`` of the targets being ready."""
+        while not upd.ended.is_set():
+            wait = LOCK_TTL_S / 3
+            if upd.phase == "ready" and upd.ready_at is not None:
+                left = upd.ready_at + upd.req.commit_timeout_s - time.monotonic()
+                if left <= 0:
+                    log.warning("weight update %s not committed within %s s: aborting it", upd.req.version,
+                                upd.req.commit_timeout_s)
+                    with contextlib.suppress(Exception):
+                        await self.abort(upd.req.version, restore=True)
+                    return
+                wait = min(wait, left)
+            try:
+                await self._refresh()
+            except Exception as exc:  # noqa: BLE001 - the keeper outlives a bad peer
+                log.warning("refreshing the update lock failed: %r", exc)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(upd.ended.wait(), max(0.05, wait))
+
+    async def _rescue(self, rid: ReplicaId, rec: ReplicaUpdate, exc: Exception) -> None:
+        log.exception("weight update of %s failed unexpectedly: %r", rid, exc)
+        rec.note(f"unexpected error: {exc!r}")
+        if rec.phase == "loading":
+            rec.weights = "undefined"  # the load may have begun: unknown weights stay out
+        with contextlib.suppress(Exception):
+            await self.steps.release(rid, rec, restore=False)
+
+    # -- one at a time --------------------------------------------------------------------------
+
+    async def _start(self, req: UpdateRequest, kind: str) -> Update:
+        if self.active is not None:
+            raise UpdateInProgress(f"weight update {self.active.req.version} ({self.active.kind}) is "
+                                   f"{self.active.phase}; retry when it has finished")
+        targets = self._targets(req)
+        upd = Update(req, kind, {rid: ReplicaUpdate(rid) for rid in targets})
+        self.active = upd  # before any await: a second call sees it
+        shared = self.life.shared
+        if shared is not None:
+            self._owner = f"{getattr(shared, 'router_id', 'router')}:{req.version}"
+            if not await shared.acquire_update_lock(self._owner, LOCK_TTL_S):
+                self.active, self._owner = None, None
+                if not getattr(shared, "available", True):
+                    raise NoReplica("shared state unreachable: no update can be coordinated across routers",
+                                    headers={"Retry-After": "5"})
+                holder = await shared.update_lock_holder()
+                raise UpdateInProgress(f"another router's weight update holds the lock ({holder}); retry later")
+        self._spawn(self._keeper(upd))
+        return upd
+
+    async def _refresh(self) -> None:
+        shared = self.life.shared
+        if shared is not None and self._owner is not None:
+            await shared.refresh_update_lock(self._owner, LOCK_TTL_S)
+
+    async def _end(self, upd: Update) -> None:
+        upd.seconds = time.monotonic() - upd.started
+        upd.ended.set()
+        if self.active is upd:
+            self.active, self.last = None, upd
+            await self.steps.publish()
+            shared, owner, self._owner = self.life.shared, self._owner, None
+            if shared is not None and owner is not None:
+                await shared.release_update_lock(owner)
+
+    def _named(self, version: int, what: str) -> Update:
+        for upd in (self.active, self.last):
+            if upd is not None and upd.kind == "push" and upd.req.version == version:
+                return upd
+        raise UpdateInProgress(f"no two-phase update of version {version} to {what}; POST /admin/weights/begin first")
+
+    def _targets(self, req: UpdateRequest) -> list[ReplicaId]:
+        if req.replicas is not None:
+            return list(req.replicas)
+        versions = self.core.versions
+        return [rid for rid in self.life.pool.ids()
+                if versions.loaded.get(rid) != req.version or rid in versions.rotation]
+
+    def _spawn(self, coro: Awaitable[Any]) -> asyncio.Task:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _join(self, task: asyncio.Task) -> dict[str, Any]:
+        """Await ``task`` shielded: the caller going away does not cancel the update."""
+        return await asyncio.shield(task)
