@@ -1,0 +1,112 @@
+"""bench.h2h on loopback: the simulated replicas' HTTP API, the ideal count, a workload driven over
+HTTP, routing-key headers and the profile summary. No Rust router here: vllm-router and
+sglang-router live in a separate venv (.venv-h2h) that CI does not install; `python -m bench.h2h`
+runs them."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+
+from bench.h2h.drive import IdealCounter, fold, run_workload
+from bench.h2h.profile import top_frames
+from bench.h2h.replica import FAST_COST, ZERO_COST, SimReplica
+from bench.h2h.routers import RouterSpec
+from bench.h2h.server import serve, spell_ids
+from bench.sim.engine import EngineConfig
+from bench.sim.seqhash import SequenceHashes
+from bench.sim.workloads import WorkloadConfig
+from replicas.metrics import parse_vllm_metrics
+
+BS = 16
+
+
+async def _replicas(n: int, cost, blocks: int = 2048) -> list[str]:
+    cfg = EngineConfig(num_blocks=blocks, block_size=BS, cost=cost)
+    hashes = SequenceHashes(BS)
+    return await serve([SimReplica(f"t{i}", cfg, hashes) for i in range(n)], None, "sim-model")
+
+
+async def _post(http: aiohttp.ClientSession, url: str, body: dict) -> dict:
+    async with http.post(url, json=body) as r:
+        assert r.status == 200, await r.text()
+        return await r.json()
+
+
+def test_replica_counts_cache_hits_and_serves_vllm_metrics():
+    async def go():
+        (url,) = await _replicas(1, FAST_COST)
+        prompt = list(range(100, 150))  # 50 tokens: 3 full blocks
+        async with aiohttp.ClientSession() as http:
+            first = await _post(http, f"{url}/v1/completions", {"prompt": prompt, "max_tokens": 4})
+            again = await _post(http, f"{url}/v1/completions", {"prompt": spell_ids(prompt), "max_tokens": 4})
+            salted = await _post(http, f"{url}/v1/completions", {"prompt": prompt, "max_tokens": 4, "cache_salt": "v2"})
+            async with http.get(f"{url}/metrics") as r:
+                m = parse_vllm_metrics(await r.text())
+            async with http.post(f"{url}/v1/completions", json={"prompt": []}) as r:
+                bad = (r.status, await r.json())
+        return first, again, salted, m, bad
+
+    first, again, salted, m, bad = asyncio.run(go())
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 3 * BS  # (50 - 1) // 16 blocks
+    assert salted["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # another salt, other hashes
+    assert (m.block_size, m.num_gpu_blocks, m.prompt_tokens, m.prefix_cache_hits) == (BS, 2048, 150, 48)
+    assert (m.generation_tokens, m.num_running, m.num_waiting) == (12, 0, 0)
+    assert bad[0] == 400 and bad[1]["error"]["param"] == "prompt"
+
+
+def test_ideal_counts_each_prompt_block_once():
+    ideal = IdealCounter(BS)
+    a = list(range(10, 60))  # 50 tokens
+    ideal.add("s", a)
+    ideal.add("s2", a[:40] + list(range(500, 510)))  # shares 2 full blocks (a key's tokens only grow)
+    ideal.add("x", a)  # hit capped at (50 - 1) // 16 = 3 blocks
+    assert ideal.prefill == 50 + (50 - 32) + (50 - 48)
+    assert ideal.prompt == 150
+
+
+def test_workload_through_one_replica_prefills_exactly_the_ideal():
+    """One replica with room for everything: what it prefills is the shared-cache ideal."""
+    async def go():
+        (url,) = await _replicas(1, ZERO_COST, blocks=1 << 16)
+        cfg = WorkloadConfig(groups_per_replica=2, grpo_prompt=(100, 300), grpo_output=(4, 8),
+                             sessions_per_replica=2, first_prompt=(50, 150), observation=(10, 40), reply=(4, 8),
+                             tool_pause_s=0.002)
+        spec = RouterSpec("direct", "vllm", "none", "x-session-id")
+        run = await run_workload(spec, url, cfg, {"grpo", "agent"}, 1, 96, 3, BS, 60.0)
+        async with aiohttp.ClientSession() as http, http.get(f"{url}/sim/stats") as r:
+            return run, await r.json()
+
+    run, stats = asyncio.run(go())
+    assert run["errors"] == {} and run["requests_ok"] == stats["requests"] > 48
+    assert stats["prefilled_tokens"] == run["ideal_prefilled_tokens"]
+    assert stats["prompt_tokens"] == run["prompt_tokens"]
+
+
+def test_fold_keeps_ids_in_the_tiny_vocabulary_and_prefixes_equal():
+    ids = [0, 7, 8, 1099, 1100, 31999]
+    assert fold(ids) == [8 + 0, 8 + 7, 8 + 8, 8 + 1099 % 1092, 8 + 1100 % 1092, 8 + 31999 % 1092]
+    assert all(8 <= t < 1100 for t in fold(list(range(40000))))
+
+
+@pytest.mark.parametrize("spec, sid, gid, end, want", [
+    (RouterSpec("ours", "ours", "default", None), "s1", None, True, {"X-Session-Id": "s1", "X-Session-End": "true"}),
+    (RouterSpec("ours", "ours", "default", None), None, "g1", False, {"X-Group-Id": "g1"}),
+    (RouterSpec("v", "vllm", "consistent_hash", "x-session-id"), None, "g1", False, {"x-session-id": "g1"}),
+    (RouterSpec("s", "sglang", "consistent_hashing", "x-smg-routing-key", True), "s2", None, True,
+     {"x-smg-routing-key": "s2"}),
+    (RouterSpec("r", "vllm", "round_robin", None), "s2", "g", False, {}),
+])
+def test_routing_key_headers(spec, sid, gid, end, want):
+    assert spec.headers(sid, gid, end) == want
+
+
+def test_top_frames_shares():
+    raw = "main;a;b 6\nmain;a 3\nmain;c 1\n"
+    got = top_frames(raw, top=3)
+    assert got["samples"] == 10
+    assert got["self"] == [("b", 0.6), ("a", 0.3), ("c", 0.1)]
+    assert got["total"][0] == ("main", 1.0) and ("a", 0.9) in got["total"]
