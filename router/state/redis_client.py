@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -101,6 +102,8 @@ class GuardedRedis:
         self.on_back = on_back
         self.last_error: str | None = None
         self.calls = self.failed_calls = 0
+        self.waited_s: deque[float] = deque(maxlen=100_000)
+        """Seconds each request-path call kept its caller waiting (fast failures included)."""
 
     @property
     def available(self) -> bool:
@@ -116,8 +119,11 @@ class GuardedRedis:
         client does with the cancellation, so the deadline is hard. Raises StateUnavailable on
         any Redis or network error, on the deadline, or at once while the breaker is open."""
         if not self.breaker.allow():
+            if not background:
+                self.waited_s.append(0.0)
             raise StateUnavailable(f"redis circuit open ({self.last_error})")
         self.calls += 1
+        started = time.monotonic()
         task = asyncio.ensure_future(fn(self.background if background else self.client))
         try:
             done, _ = await asyncio.wait({task}, timeout=timeout_s or self.timeout_s)
@@ -131,16 +137,22 @@ class GuardedRedis:
             task.add_done_callback(_retrieve)
             raise
         except (RedisError, OSError, TimeoutError, asyncio.TimeoutError) as exc:
+            self._waited(started, background)
             self.failed_calls += 1
             self.last_error = f"{type(exc).__name__}: {exc}"[:200]
             if self.breaker.failure():
                 log.warning("redis %s unavailable, serving from local state: %s", self.url, self.last_error)
             raise StateUnavailable(self.last_error) from exc
+        self._waited(started, background)
         if self.breaker.success():
             log.warning("redis %s is back: reconciling shared state", self.url)
             if self.on_back is not None:
                 self.on_back()
         return result
+
+    def _waited(self, started: float, background: bool) -> None:
+        if not background:
+            self.waited_s.append(time.monotonic() - started)
 
     async def close(self) -> None:
         """Close both connection pools (bounded: 1 s each)."""

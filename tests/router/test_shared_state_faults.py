@@ -47,6 +47,7 @@ async def test_a_hung_redis_costs_a_call_its_deadline_then_nothing_and_it_recove
             assert job.replica_id is not None
         assert max(took[:3]) < 2 * 0.1 + 0.05  # the read's and the claim's deadlines (redis_timeout_s = 0.1)
         assert max(took[3:]) < 0.01 and r.state.redis.breaker.state == "open"  # fails fast, no network
+        assert max(r.state.redis.waited_s) < 0.1 + 0.03  # no call outlived its deadline
         redis.cont()
         await asyncio.sleep(0.55)
         await r.route(RequestSpec(list(range(64)), session_id="s"))
