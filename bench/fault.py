@@ -8,7 +8,7 @@ Two small supervised replicas (``--gpu-blocks`` KV blocks each) behind a router 
 events. Each run starts from empty prefix caches and a fresh router and sends the same fixed work
 (``bench.fault_load.MixedWorkload`` with ``limit``: sessions, GRPO groups and ``/v1/score``
 fan-outs, greedy); the fault run SIGKILLs replica-0's API server (or engine core) ``--kill-at-s``
-seconds in, and the supervisor restarts it at a new URL while the load goes on. The table
+seconds in, as soon as a session's turn is running there, and the supervisor restarts it at a new URL while the load goes on. The table
 (``bench.fault_report``) compares the two runs, counters from the replicas' own ``/metrics``;
 scoring rows of the fault run are compared with the run without it, bit for bit.
 """
@@ -36,6 +36,7 @@ from replicas.procs import group_members
 from replicas.replica_set import ReplicaSet
 from replicas.supervisor import SupervisionConfig
 from router.cli import add_dataclass_flags, dataclass_overrides
+from router import keys
 from router.config import AppConfig
 from router.server import running_router
 
@@ -83,12 +84,13 @@ async def run_once(cfg: AppConfig, rs: ReplicaSet, w: MixedWorkload, kill: str |
                                if e.kind == "restarted" and e.replica_id == VICTIM else None)
     windows, killed_at, probe_at = [], None, None
     started = time.monotonic()
-    async with running_router(cfg, rs.endpoints, replica_set=rs) as (url, _):
+    async with running_router(cfg, rs.endpoints, replica_set=rs) as (url, app):
         async with aiohttp.ClientSession() as http:
             load = MixedLoad(http, url, w, tag="fault" if kill else "clean", reference=reference)
             load.start()
             if kill:
                 await asyncio.sleep(kill_at_s)
+                await _session_turn_on_victim(load, app[keys.CORE])
                 at_kill = await _counters(rs, [VICTIM])
                 killed_at = time.monotonic()
                 await _kill(rs, kill)
@@ -116,6 +118,16 @@ async def run_once(cfg: AppConfig, rs: ReplicaSet, w: MixedWorkload, kill: str |
         summary.served_by_probe = True
     return summary, {"records": [asdict(r) for r in records], "killed_at": killed_at,
                      "restarted_at": restarted[0] if restarted else None, "probe_served_at": probe_at}
+
+
+async def _session_turn_on_victim(load: MixedLoad, core, timeout_s: float = 30.0) -> None:
+    """Wait (at most ``timeout_s``) until a session pinned to the victim has a turn admitted there:
+    the kill then catches one, as it would under any steady load."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if core.in_flight(VICTIM) and any(load.last_replica.get(k) == VICTIM for k in load.in_flight):
+            return
+        await asyncio.sleep(0.01)
 
 
 async def _probe(http: aiohttp.ClientSession, url: str) -> float | None:

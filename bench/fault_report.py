@@ -44,6 +44,8 @@ class RunSummary:
     prefilled_tokens: int
     duplicate_decode_tokens: int
     wall_s: float
+    caught: int = 0
+    """Requests in flight on the killed replica at the kill, run again elsewhere (``X-Rollout-Attempt`` > 1)."""
     moved_sessions: dict[int, int] = field(default_factory=dict)
     """Failed attempts before a session moved off the killed replica -> sessions."""
     kill_to_restarted_s: float | None = None
@@ -69,6 +71,7 @@ def summarize(name: str, records: list[Record], windows: list[Window], wall_s: f
         duplicate_decode_tokens=duplicate_decodes(records, windows), wall_s=round(wall_s, 1))
     if victim is not None and killed_at is not None:
         summary.moved_sessions = moved_sessions(records, victim, killed_at)
+        summary.caught = sum(1 for r in records if r.attempt > 1 and r.sent <= killed_at <= r.done)
         if restarted_at is not None:
             summary.kill_to_restarted_s = round(restarted_at - killed_at, 1)
         served = [r.done for r in records if r.replica == victim and r.status == 200 and r.sent > killed_at]
@@ -113,6 +116,7 @@ def render(runs: list[RunSummary], command: str) -> str:
         ("requests (session/group/score)", lambda s: "/".join(str(s.requests.get(k, 0))
                                                               for k in ("session", "group", "score"))),
         ("failed, by kind and status", lambda s: ", ".join(f"{k}: {v}" for k, v in s.failed.items()) or "0"),
+        ("requests caught by the kill, retried", lambda s: s.caught),
         ("scoring lost or partial (target 0)", lambda s: s.scoring_lost_or_partial),
         ("scoring rows != no-fault run", lambda s: s.scoring_mismatch),
         ("failed attempts before a session moved (target 1)",
