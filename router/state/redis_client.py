@@ -17,6 +17,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 log = logging.getLogger(__name__)
@@ -93,7 +94,10 @@ class GuardedRedis:
 
         self.url, self.timeout_s = url, timeout_s
         options = {"decode_responses": True, "socket_connect_timeout": max(0.5, 5 * timeout_s),
-                   "socket_timeout": max(1.0, 20 * timeout_s), "retry": Retry(NoBackoff(), 0)}
+                   "socket_timeout": max(1.0, 20 * timeout_s),
+                   # one immediate retry on a fresh connection (a pooled one Redis closed, e.g. after
+                   # a restart), still within the call's deadline; timeouts are never retried
+                   "retry": Retry(NoBackoff(), 1), "retry_on_error": [RedisConnectionError]}
         self.client = aioredis.from_url(url, **options)
         self.background = aioredis.from_url(url, **options)
         """A second connection pool for the sync loop and pub/sub, so their slow calls never hold

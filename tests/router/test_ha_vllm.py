@@ -146,11 +146,16 @@ async def test_redis_killed_and_stopped_under_load_costs_no_5xx_and_no_session_m
             base, hit = p99([t for *_, t, _ in healthy]), p99([t for *_, t, _ in faulty])
             print(f"p99 healthy {base * 1000:.0f} ms, under faults {hit * 1000:.0f} ms (timeout {TIMEOUT_S * 1000:.0f} ms)")
             assert hit <= base + 2 * TIMEOUT_S + 0.25  # a request makes at most two bounded Redis calls
-            client = rs[0][1][keys.LIFECYCLE].shared.redis.client
-            pins = {s: await client.get(f"ha3:pin:session:ha-s{s}") for s in range(6)}
-            assert all(v is not None for v in pins.values()), pins  # re-published to the empty Redis
-            assert await client.get("ha3:versions:epoch") is not None
-            assert len(await client.zrange("ha3:routers", 0, -1)) == 3
+            import redis.asyncio as aioredis
+
+            client = aioredis.from_url(redis.url, decode_responses=True)
+            try:
+                pins = {s: await client.get(f"ha3:pin:session:ha-s{s}") for s in range(6)}
+                assert all(v is not None for v in pins.values()), pins  # re-published to the empty Redis
+                assert await client.get("ha3:versions:epoch") is not None
+                assert len(await client.zrange("ha3:routers", 0, -1)) == 3
+            finally:
+                await client.aclose()
     finally:
         redis.close()
 
