@@ -19,9 +19,11 @@ class MemoryState:
         self._lock: tuple[str, float] | None = None
 
     async def before_open(self, core: DecisionCore, spec: RequestSpec) -> None:
+        """Nothing to confirm: this router's core is the whole truth."""
         return None
 
     async def after_place(self, core: DecisionCore, job: Job, seen: None, now: float) -> None:
+        """Nothing to claim."""
         return None
 
     def _holder(self) -> str | None:
@@ -37,29 +39,37 @@ class MemoryState:
         return True
 
     async def refresh_update_lock(self, owner: str, ttl_s: float) -> bool:
+        """Extend ``owner``'s lock by ``ttl_s``; False if it does not hold it."""
         if self._holder() != owner:
             return False
         self._lock = (owner, time.monotonic() + ttl_s)
         return True
 
     async def release_update_lock(self, owner: str) -> None:
+        """Release the lock if ``owner`` holds it."""
         if self._holder() == owner:
             self._lock = None
 
     async def update_lock_holder(self) -> str | None:
+        """Who holds the lock (None: free)."""
         return self._holder()
 
     async def publish_versions(self, core: DecisionCore) -> bool:
+        """No other router to tell: always True."""
         return True
 
     async def start(self, app, core: DecisionCore) -> None:
+        """Nothing to join."""
         return None
 
     async def run(self) -> None:
+        """No sync loop."""
         return None
 
     async def close(self) -> None:
+        """Nothing to close."""
         return None
 
     def describe(self) -> dict:
+        """``{"kind": "memory", "router", "available"}``."""
         return {"kind": "memory", "router": self.router_id, "available": True}

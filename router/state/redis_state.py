@@ -75,12 +75,15 @@ class RedisState:
         return await self.versions.acquire_lock(owner, ttl_s)
 
     async def refresh_update_lock(self, owner: str, ttl_s: float) -> bool:
+        """Extend ``owner``'s lock by ``ttl_s``; False if it lost it or Redis is unreachable."""
         return await self.versions.refresh_lock(owner, ttl_s)
 
     async def release_update_lock(self, owner: str) -> None:
+        """Release the lock if ``owner`` holds it; never raises (it expires anyway)."""
         await self.versions.release_lock(owner)
 
     async def update_lock_holder(self) -> str | None:
+        """Who holds the update lock (None: free, or Redis unreachable)."""
         return await self.versions.lock_holder()
 
     async def publish_versions(self, core: DecisionCore) -> bool:

@@ -93,6 +93,7 @@ class Keys:
     prefix: str
 
     def pin(self, kind: str, key: str) -> str:
+        """``pin:<kind>:<key>``."""
         return f"{self.prefix}pin:{kind}:{key}"
 
     def __getattr__(self, name: str) -> str:
@@ -101,9 +102,11 @@ class Keys:
         return self.prefix + name.replace("_", ":")
 
     def router(self, router_id: str) -> str:
+        """``router:<id>``: that router's view."""
         return f"{self.prefix}router:{router_id}"
 
     def load(self, router_id: str) -> str:
+        """``load:<id>``: that router's in-flight share."""
         return f"{self.prefix}load:{router_id}"
 
 
