@@ -62,15 +62,15 @@ async def _reset_caches(rs: ReplicaSet) -> None:
                 raise RuntimeError(f"{ep.replica_id} refused to reset its prefix cache; results would be skewed")
 
 
-async def _kill(rs: ReplicaSet, what: str) -> None:
+async def _killer(rs: ReplicaSet, what: str):
+    """A function that SIGKILLs the victim's API server (its group dies with it) or its engine core."""
     pgid = (await rs.info(VICTIM)).pid
     if what == "api":
-        os.kill(pgid, signal.SIGKILL)
-        return
+        return lambda: os.kill(pgid, signal.SIGKILL)
     core = [p for p in group_members(pgid) if b"EngineCore" in Path(f"/proc/{p}/cmdline").read_bytes()]
     if len(core) != 1:
         raise RuntimeError(f"expected one EngineCore process in {VICTIM}'s group {pgid}, found {core}")
-    os.kill(core[0], signal.SIGKILL)
+    return lambda: os.kill(core[0], signal.SIGKILL)
 
 
 async def run_once(cfg: AppConfig, rs: ReplicaSet, w: MixedWorkload, kill: str | None, kill_at_s: float,
@@ -90,10 +90,11 @@ async def run_once(cfg: AppConfig, rs: ReplicaSet, w: MixedWorkload, kill: str |
             load.start()
             if kill:
                 await asyncio.sleep(kill_at_s)
+                killer = await _killer(rs, kill)
                 await _session_turn_on_victim(load, app[keys.CORE])
                 at_kill = await _counters(rs, [VICTIM])
+                killer()
                 killed_at = time.monotonic()
-                await _kill(rs, kill)
                 windows.append(Window(VICTIM, before[VICTIM], at_kill[VICTIM], decodes_checked=False))
             records = await load.wait()
             wall = time.monotonic() - started

@@ -44,8 +44,8 @@ class RunSummary:
     prefilled_tokens: int
     duplicate_decode_tokens: int
     wall_s: float
-    caught: int = 0
-    """Requests in flight on the killed replica at the kill, run again elsewhere (``X-Rollout-Attempt`` > 1)."""
+    failed_over: int | None = None
+    """Placements that failed on the killed replica and were run again elsewhere (``X-Rollout-Attempt`` - 1)."""
     moved_sessions: dict[int, int] = field(default_factory=dict)
     """Failed attempts before a session moved off the killed replica -> sessions."""
     kill_to_restarted_s: float | None = None
@@ -71,10 +71,12 @@ def summarize(name: str, records: list[Record], windows: list[Window], wall_s: f
         duplicate_decode_tokens=duplicate_decodes(records, windows), wall_s=round(wall_s, 1))
     if victim is not None and killed_at is not None:
         summary.moved_sessions = moved_sessions(records, victim, killed_at)
-        summary.caught = sum(1 for r in records if r.attempt > 1 and r.sent <= killed_at <= r.done)
+        summary.failed_over = sum(r.attempt - 1 for r in records if r.attempt > 1)
         if restarted_at is not None:
             summary.kill_to_restarted_s = round(restarted_at - killed_at, 1)
-        served = [r.done for r in records if r.replica == victim and r.status == 200 and r.sent > killed_at]
+        since = restarted_at if restarted_at is not None else killed_at  # its new incarnation
+        served = [r.done for r in records if r.replica == victim and r.status == 200 and r.sent > killed_at
+                  and r.done >= since]
         summary.kill_to_served_s = round(min(served) - killed_at, 1) if served else None
     return summary
 
@@ -116,7 +118,7 @@ def render(runs: list[RunSummary], command: str) -> str:
         ("requests (session/group/score)", lambda s: "/".join(str(s.requests.get(k, 0))
                                                               for k in ("session", "group", "score"))),
         ("failed, by kind and status", lambda s: ", ".join(f"{k}: {v}" for k, v in s.failed.items()) or "0"),
-        ("requests caught by the kill, retried", lambda s: s.caught),
+        ("requests failed over (attempts on the victim)", lambda s: _opt(s.failed_over)),
         ("scoring lost or partial (target 0)", lambda s: s.scoring_lost_or_partial),
         ("scoring rows != no-fault run", lambda s: s.scoring_mismatch),
         ("failed attempts before a session moved (target 1)",

@@ -52,7 +52,7 @@ def test_summary_counts_failures_by_kind_and_status_and_prefilled_tokens():
     assert (s.prompt_tokens, s.prefilled_tokens) == (650, 650 - 400)
     assert s.kill_to_restarted_s == 50.0 and s.kill_to_served_s == 61.0 and s.wall_s == 12.3
     assert s.requests == {"session": 10, "group": 2, "score": 3}
-    assert s.caught == 1  # a's turn 99 -> 102, on its second placement
+    assert s.failed_over == 1  # a's turn 99 -> 102, on its second placement
     text = render([s, s], "python -m bench.fault")
     assert "1: 2 sessions" in text and "prefilled tokens, fault / no fault = 1.000" in text
 
