@@ -31,6 +31,7 @@ from replicas import ops
 from replicas.auth import PROCESS_KEYS, ReplicaAuth, new_key
 from replicas.config import ReplicaSetConfig, StartupError
 from replicas.events import EventBus, Handler
+from replicas.ids import replica_id, replica_index
 from replicas.kv_events import KvEventSource, fetch_source
 from replicas.membership import Membership
 from replicas.metrics import scoring_cap_active
@@ -59,11 +60,6 @@ class ReplicaEndpoint:
     model_root: str | None = None
     """Where the server loaded its model from (``/v1/models`` ``root``: a folder or a hub name);
     None when it did not say (replicas launched here: ``ReplicaSetConfig.model``)."""
-
-
-def replica_id(index: int) -> ReplicaId:
-    """The stable name of replica ``index``: ``"replica-{index}"``."""
-    return ReplicaId(f"replica-{index}")
 
 
 class ReplicaSet(Membership):
@@ -97,7 +93,7 @@ class ReplicaSet(Membership):
 
     def endpoint(self, rid: ReplicaId) -> ReplicaEndpoint:
         """The endpoint named ``rid``; ``KeyError`` if there is none."""
-        return self._endpoints[_index(rid)]
+        return self._endpoints[replica_index(rid)]
 
     async def start(self) -> list[ReplicaEndpoint]:
         """Start every replica concurrently (or wrap ``cfg.urls``) and return their endpoints."""
@@ -129,7 +125,7 @@ class ReplicaSet(Membership):
         """Stop replica ``rid`` (if still alive) and start a fresh one under the same name."""
         if self.cfg.urls:
             raise ValueError("ReplicaSet.restart: replicas given by ReplicaSetConfig.urls are not managed here")
-        index = _index(rid)
+        index = replica_index(rid)
         if index not in self._actors:
             raise KeyError(f"no launched replica {rid!r}; known: {[e.replica_id for e in self.endpoints]}")
         self._forget_endpoint(index)
@@ -174,7 +170,7 @@ class ReplicaSet(Membership):
     async def info(self, rid: ReplicaId):
         """The launched replica's :class:`~replicas.actor.ReplicaInfo` (URL, server pid = its
         process group id, log path); ``KeyError`` for one not launched here."""
-        return await self._actors[_index(rid)].info.remote()
+        return await self._actors[replica_index(rid)].info.remote()
 
     async def give_up(self, index: int, reason: str) -> None:
         """Supervisor hook: stop replica ``index`` for good (the supervisor publishes ``removed``)."""
@@ -283,13 +279,6 @@ class ReplicaSet(Membership):
         ray.kill(actor, no_restart=True)
 
 
-
-
-def _index(rid: ReplicaId) -> int:
-    prefix, _, num = str(rid).rpartition("-")
-    if prefix != "replica" or not num.isdigit():
-        raise KeyError(f"not a replica id: {rid!r} (expected 'replica-<n>')")
-    return int(num)
 
 
 def _run_name() -> str:
