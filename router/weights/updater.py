@@ -184,7 +184,7 @@ class WeightUpdater:
         """While ``upd`` runs: refresh the shared lock; abort a two-phase update whose trainer did
         not commit within ``commit_timeout_s`` of the targets being ready."""
         while not upd.ended.is_set():
-            wait = LOCK_TTL_S / 3
+            wait = LOCK_TTL_S / 3 if upd.phase != "beginning" else 0.25  # look again once it is ready
             if upd.phase == "ready" and upd.ready_at is not None:
                 left = upd.ready_at + upd.req.commit_timeout_s - time.monotonic()
                 if left <= 0:

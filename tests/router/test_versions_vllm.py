@@ -16,9 +16,9 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
-from replicas.ops import fetch_metrics
 from replicas.tiny_model import TinyModelSpec, ensure_tiny_model
 from replicas.weights import update_weights
+from router import keys
 from router.config import AppConfig
 from router.server import running_router
 from tests.router.small_replica import small_replica
@@ -165,11 +165,14 @@ async def test_steps_without_a_weight_change_keep_hitting(http, small):
 
 async def test_flush_with_a_long_request_in_flight_runs_it_again_under_the_new_weights(http, small):
     repeated = prompt(5, 200)
-    async with router_for(small, "flush") as (url, _):
+    async with router_for(small, "flush") as (url, app):
         await complete(http, url, repeated)
         assert cached(await complete(http, url, repeated)) == 192
         long = asyncio.ensure_future(complete(http, url, prompt(6, 100), max_tokens=1200))
-        await wait_running(http, small.endpoints[0].base_url)
+        for _ in range(200):  # dispatched: the router counts it in flight on the replica
+            if app[keys.CORE].in_flight("replica-0"):
+                break
+            await asyncio.sleep(0.01)
         report = await update(http, url, 1, SEED1, pause_mode="keep")
         replica = report["replicas"][0]
         assert replica["reset_confirmed"] is True and replica["preempted"] == 1, report
@@ -202,10 +205,3 @@ async def test_flush_refused_by_a_kept_stream_restores_the_old_weights_and_serve
         note = json.loads(events[-1][6:])["rollout_router"]
         assert (note["weight_versions"], note["hybrid"], len(note["spans"])) == ([0], False, 1)
 
-
-async def wait_running(http, base: str) -> None:
-    for _ in range(200):
-        if (await fetch_metrics(http, base)).num_running >= 1:
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError("the long request never started running")

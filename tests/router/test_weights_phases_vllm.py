@@ -119,7 +119,7 @@ async def test_abort_resumes_on_the_previous_weights_and_a_silent_trainer_is_abo
                 break
             await asyncio.sleep(0.1)
         last = (await state(http, url))["last_update"]
-        assert last["phase"] == "aborted" and last["replicas"][0]["in_rotation"], last
+        assert (last["version"], last["phase"]) == (4, "aborted") and last["replicas"][0]["in_rotation"], last
         assert (await call(http, "GET", f"{base}/is_paused")).body == {"is_paused": False}
         claims += (await score(http, url, 4))[1]
     verdict = await verify(http, base, claims, CKPT)

@@ -141,9 +141,13 @@ async def test_an_update_under_load_every_claim_matches_its_checkpoint(http, sma
     mixed_streams = [n for n in gen_notes if len(n["spans"]) > 1]
     if policy in ("flush", "salt"):
         assert not hybrid, hybrid  # no token computed by one version's weights over another's KV
+    if pause_mode == "abort":
+        assert not mixed_streams and any(n["weight_versions"] == [0] for n in gen_notes)
     if pause_mode == "wait":
         assert not mixed_streams and replica["preempted"] == 0 and replica["drained"]
-    if pause_mode == "keep" and replica["kept_streams"]:
+    if pause_mode != "wait":
+        assert replica["kept_streams"] >= 1, report  # the streams were decoding when it paused
+    if pause_mode == "keep":
         assert mixed_streams and all(n["weight_versions"] == [0, 1] for n in mixed_streams)
         assert all(n["spans"][-1]["hybrid"] == (policy in ("keep", "keep+salt")) for n in mixed_streams)
     assert {n["weight_version"] for n in score_notes} <= {0, 1} and any(n["weight_version"] == 1 for n in score_notes)
