@@ -34,7 +34,8 @@ async def scrape_once(http: aiohttp.ClientSession, state: ReplicaState, core: De
     try:
         async with http.get(state.endpoint.base_url + "/metrics", timeout=timeout) as r:
             r.raise_for_status()
-            m = parse_vllm_metrics(await r.text())
+            text = await r.text()
+        m = await asyncio.to_thread(parse_vllm_metrics, text)  # ~15 ms of parsing: off the event loop
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:  # ValueError: not Prometheus text
         state.scrape_failures += 1
         refused = isinstance(exc, aiohttp.ClientConnectorError)
