@@ -109,8 +109,14 @@ async def add_replica(request: web.Request) -> web.Response:
     url = body.get("url") if isinstance(body, dict) else None
     if url is not None and (not isinstance(url, str) or not url.startswith(("http://", "https://"))):
         raise BadRequest("'url' must be an http(s) URL of a running vLLM server", param="url")
+    fleet = _fleet(request)
+    if url is None and fleet.cfg.urls:
+        raise BadRequest("this router fronts servers given by replicas.urls: it launches none; "
+                         "register a running server with {\"url\": \"http://...\"}", param="url")
+    if url is not None and url.rstrip("/") in {s.endpoint.base_url for s in request.app[keys.POOL].states()}:
+        raise BadRequest(f"{url[:200]} is already a replica of this router", param="url")
     try:
-        endpoint = await _fleet(request).add(url)
+        endpoint = await fleet.add(url)
     except StartupError as exc:  # unreachable, or a block size the fleet does not share
         raise BadRequest(f"cannot add the replica: {exc}", param="url" if url is not None else "body") from exc
     await request.app[FLEET].events.flush()  # the router follows it before answering
@@ -124,6 +130,9 @@ async def remove_replica(request: web.Request) -> web.Response:
     core = request.app[keys.CORE]
     if rid not in core.replicas:
         raise BadRequest(f"unknown replica {rid[:80]!r}; known: {sorted(core.replicas)}", param="replica_id")
+    unknown = sorted(set(request.query) - {"drain_s"})
+    if unknown:
+        raise BadRequest(f"unknown query parameter(s) {unknown}; the drain time is 'drain_s'", param=unknown[0])
     drain = request.query.get("drain_s")
     try:
         drain_s = None if drain is None else float(drain)

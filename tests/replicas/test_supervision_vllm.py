@@ -17,6 +17,7 @@ import pytest_asyncio
 
 from replicas.auth import ReplicaAuth
 from replicas.config import ReplicaSetConfig
+from replicas.ops import fetch_metrics
 from replicas.procs import group_members
 from replicas.replica_set import ReplicaSet
 from replicas.supervisor import SupervisionConfig
@@ -28,6 +29,8 @@ FAST = SupervisionConfig(interval_s=0.5, health_timeout_s=5, restart_after_failu
                          backoff_initial_s=0.1)
 GONE_WITHIN_S = 10.0
 BACK_WITHIN_S = 240.0
+LONG_TOKENS = 2000
+"""Seconds of decoding on the tiny model: the request is still running when the drain starts."""
 
 
 class Watched:
@@ -57,6 +60,14 @@ async def _complete(http: aiohttp.ClientSession, url: str, max_tokens: int = 4) 
             "ignore_eos": True, "temperature": 0}
     async with http.post(f"{url}/v1/completions", json=body) as resp:
         return resp.status, await resp.json(content_type=None)
+
+
+async def _running(http: aiohttp.ClientSession, url: str, timeout_s: float = 30) -> None:
+    """Wait until the replica reports a running request."""
+    deadline = time.monotonic() + timeout_s
+    while (await fetch_metrics(http, url)).num_running == 0:
+        assert time.monotonic() < deadline, "the request never started running"
+        await asyncio.sleep(0.05)
 
 
 async def _gone(pgid: int, timeout_s: float) -> list[int]:
@@ -127,12 +138,12 @@ async def test_an_added_replica_serves_and_a_drain_lets_its_request_finish(watch
     assert added.replica_id == "replica-1" and [e.replica_id for e in rs.endpoints] == ["replica-0", "replica-1"]
     pgid = (await rs.info(added.replica_id)).pid
     async with aiohttp.ClientSession(middlewares=(rs.auth,)) as router:
-        request = asyncio.create_task(_complete(router, added.base_url, max_tokens=400))
-        await asyncio.sleep(1.0)  # the request is running on the replica
+        request = asyncio.create_task(_complete(router, added.base_url, max_tokens=LONG_TOKENS))
+        await _running(router, added.base_url)
         assert not request.done()
         drained = await rs.remove(added.replica_id, drain_timeout_s=120)
         assert request.done()  # the drain waited for it
         status, payload = request.result()
-    assert drained and status == 200 and payload["usage"]["completion_tokens"] == 400
+    assert drained and status == 200 and payload["usage"]["completion_tokens"] == LONG_TOKENS
     assert [e.kind for e in await watched.next("removed", 5)] == ["draining", "removed"]
     assert [e.replica_id for e in rs.endpoints] == ["replica-0"] and await _gone(pgid, GONE_WITHIN_S) == []

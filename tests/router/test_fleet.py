@@ -118,3 +118,25 @@ async def test_a_replica_answering_5xx_before_anything_reached_the_client_is_ret
                 assert app[keys.CORE].replicas[A].failures == 1 and app[keys.CORE].replicas[A].healthy
     finally:
         await runner.cleanup()
+
+
+async def test_admin_replicas_refuses_a_launch_in_router_only_mode_and_a_duplicate_url():
+    """A router in front of replicas.urls launches nothing; one server is one replica."""
+    from replicas.config import ReplicaSetConfig
+
+    cfg = AppConfig().replace(router={"port": 0, "scrape_interval_s": 0, "kv_events": False, "admin_token": "t"})
+    app = create_app(cfg, [_ep(A, 9)], tiny_tokenizer())
+    fleet = FakeFleet()
+    fleet.cfg = ReplicaSetConfig(urls=("http://127.0.0.1:9",))
+    calls = []
+    fleet.add = lambda url=None: calls.append(url)  # must never be reached here
+    attach_fleet(app, fleet)
+    auth = {"Authorization": "Bearer t"}
+    async with TestClient(TestServer(app)) as client:
+        r = await client.post("/admin/replicas", json={}, headers=auth)
+        assert r.status == 400 and (await r.json())["error"]["param"] == "url"
+        r = await client.post("/admin/replicas", json={"url": "http://127.0.0.1:9/"}, headers=auth)
+        assert r.status == 400 and "already" in (await r.json())["error"]["message"]
+        r = await client.delete(f"/admin/replicas/{A}?drain_timeout_s=3", headers=auth)
+        assert r.status == 400 and (await r.json())["error"]["param"] == "drain_timeout_s"
+    assert calls == []  # nothing was launched or registered
