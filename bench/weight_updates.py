@@ -83,11 +83,11 @@ async def _post(http, url: str, body: dict, headers: dict) -> tuple[int, dict]:
 
 
 async def _session(http, url, rng, tally: Tally, stop: asyncio.Event, k: int) -> None:
-    history = [rng.randrange(8, 1000) for _ in range(300)]
+    history, n = [rng.randrange(8, 1000) for _ in range(300)], 0
     while not stop.is_set():
         started = time.monotonic()
         body = {"prompt": history, "max_tokens": 24, "ignore_eos": True, "return_token_ids": True}
-        status, answer = await _post(http, url + "/v1/completions", body, {"X-Session-Id": f"s{k}-{len(history) > 1200}"})
+        status, answer = await _post(http, url + "/v1/completions", body, {"X-Session-Id": f"s{k}-{n}"})
         if status != 200:
             tally.aborted += 1
             continue
@@ -95,8 +95,8 @@ async def _session(http, url, rng, tally: Tally, stop: asyncio.Event, k: int) ->
         tally.answer(started, answer.get("rollout_router"), answer.get("usage"), len(choice["token_ids"]),
                      choice.get("finish_reason"))
         history = history + choice["token_ids"] + [rng.randrange(8, 1000) for _ in range(60)]
-        if len(history) > 1500:
-            history = [rng.randrange(8, 1000) for _ in range(300)]
+        if len(history) > 1500:  # the rollout ends; the next one starts
+            history, n = [rng.randrange(8, 1000) for _ in range(300)], n + 1
 
 
 async def _group(http, url, rng, tally: Tally, stop: asyncio.Event, k: int) -> None:

@@ -58,7 +58,8 @@ async def forward(client: web.Request, parsed: ParsedRequest, token_ids: list[in
         flight = life.flight(job)
         if parsed.stream:
             watch = StreamWatch(flight.tokens, lambda cached: annotation(
-                job, core, expose_cached=expose, cached=cached, spans=flight.spans, reruns=life.reruns.get(job.id, 0)))
+                job, core, expose_cached=expose, cached=cached, spans=flight.spans, reruns=life.reruns.get(job.id, 0),
+                tokens=flight.tokens))
             resp = await relay_stream(client, life.http, url, body, route_headers(job, expose_cached=expose), watch)
         else:
             resp = await post_json(life.http, url, body)

@@ -35,14 +35,15 @@ def route_headers(job: Job, *, expose_cached: bool = True) -> dict[str, str]:
 
 
 def annotation(job: Job, core: DecisionCore, *, expose_cached: bool = True, cached: int | None = None,
-               spans: list[dict[str, Any]] | None = None, reruns: int = 0) -> dict[str, Any]:
+               spans: list[dict[str, Any]] | None = None, reruns: int = 0,
+               tokens: dict[int, int] | None = None) -> dict[str, Any]:
     """The ``rollout_router`` object of an answer; its version fields (``weight_version``,
     ``weight_versions``, ``kv_versions``, ``hybrid``, ``spans``, ``reruns``) are
     ``router.weights.report.version_note``'s. ``cached``: prompt tokens the replica reused."""
     requested = job.spec.weight_version
     out = {
         "replica": job.replica_id, "route_reason": job.decision.reason.value, "cache_salt": job.salt,
-        **version_note(core, job, spans, cached, reruns), "requested_weight_version": requested,
+        **version_note(core, job, spans, cached, reruns, tokens), "requested_weight_version": requested,
     }
     if expose_cached:
         out["expected_cached_tokens"] = job.expected_cached_tokens

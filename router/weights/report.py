@@ -44,10 +44,13 @@ def next_span(spans: list[dict[str, Any]], tokens: dict[int, int], new: int, rec
 
 
 def version_note(core: DecisionCore, job: Job, spans: list[dict[str, Any]] | None, cached: int | None,
-                 reruns: int = 0) -> dict[str, Any]:
+                 reruns: int = 0, tokens: dict[int, int] | None = None) -> dict[str, Any]:
     """The version fields of ``job``'s answer (module docstring). ``spans``: its flight's (None:
-    one span from now); ``cached``: the prompt tokens the replica says it reused, if it said."""
+    one span from now); ``cached``: the prompt tokens the replica says it reused, if it said;
+    ``tokens``: a stream's final token counts per choice (spans without a token are dropped)."""
     spans = [dict(s) for s in (spans or [first_span(core, job)])]
+    if tokens is not None and len(spans) > 1:
+        spans = trim(spans, tokens)
     if cached == 0 and spans[0]["weight_version"] is not None:  # nothing reused: its own KV only
         spans[0] = span(spans[0]["weight_version"], [spans[0]["weight_version"]], spans[0]["from_token"])
     versions = [s["weight_version"] for s in spans if s["weight_version"] is not None]
@@ -55,6 +58,15 @@ def version_note(core: DecisionCore, job: Job, spans: list[dict[str, Any]] | Non
     return {"weight_version": versions[-1] if versions else job.spec.weight_version,
             "weight_versions": list(dict.fromkeys(versions)), "kv_versions": kv,
             "hybrid": any(s["hybrid"] for s in spans), "spans": spans, "reruns": reruns}
+
+
+def trim(spans: list[dict[str, Any]], tokens: dict[int, int]) -> list[dict[str, Any]]:
+    """``spans`` without those that hold no token of any choice (a stream that ended, or had not
+    begun, before its replica's update); never empty."""
+    ends = [s["from_token"] for s in spans[1:]] + [tokens]
+    kept = [s for s, end in zip(spans, ends)
+            if any(end.get(c, 0) > s["from_token"].get(c, 0) for c in set(end) | set(s["from_token"]))]
+    return kept or spans[-1:]
 
 
 def chunk_tokens(choice: dict[str, Any]) -> int:

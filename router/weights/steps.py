@@ -55,11 +55,14 @@ class ReplicaUpdate:
     """Non-streamed attempts taken back and run again (nothing had reached their clients)."""
     kept_streams: int = 0
     """Streams frozen across the update (keep) or ended by it (abort)."""
+    pause_mode: str = "wait"
     reset_confirmed: bool | None = None
     error: str | None = None
     seconds: float = 0.0
     paused_s: float = 0.0
     """Seconds the engine was paused (``/pause`` answered to ``/resume`` answered)."""
+    paused_after_s: float | None = None
+    """Seconds from this replica's hold to its engine's pause (the drain, and taking work back)."""
     started: float = field(default_factory=time.monotonic, repr=False)
     paused_at: float | None = field(default=None, repr=False)
 
@@ -119,10 +122,11 @@ class Steps:
             rec.preempted = self.life.preempt(rid, f"replica {rid} is being updated ({pause_mode})")
             await self._leave(rid)
         streams = [f for f in self.life.flights.get(rid, {}).values() if f.streaming]
-        rec.kept_streams = len(streams)
+        rec.kept_streams, rec.pause_mode = len(streams), pause_mode
         rec.paused_at = time.monotonic()  # from here on, release() resumes: a failed pause may have paused
         if not rec.note(await ctl.pause(pause_mode)):  # type: ignore[arg-type]
             return False
+        rec.paused_after_s = round(time.monotonic() - rec.started, 3)
         if transfer and not rec.note(await ctl.start_transfer()):
             return False
         rec.phase = "paused"
@@ -141,7 +145,7 @@ class Steps:
         ``new_path``: a folder holding them (restores later updates), None when pushed."""
         rec.phase, rec.weights = "committing", "new"
         ctl = self.control(rid)
-        kept = rec.kept_streams > 0
+        kept = rec.kept_streams > 0 and rec.pause_mode == "keep"  # abort ended them at the pause
         preempt = kept and (policy == "salt" or (policy == "flush" and preempt_running))
         if policy == "flush" or preempt:
             outcome = await ctl.reset(preempt)
@@ -157,7 +161,8 @@ class Steps:
         self.paths[rid] = new_path  # pushed weights have no folder unless the trainer names one
         if rec.reset_confirmed:
             self.core.cache_reset(rid)
-        await self._new_spans(rid, version, recomputed=bool(rec.reset_confirmed) and preempt)
+        if kept:
+            await self._new_spans(rid, version, recomputed=bool(rec.reset_confirmed) and preempt)
         rec.weight_version = version
         self.core.finish_update(version, policy)  # type: ignore[arg-type]  # new work moves to it
         await self._resume(rid, rec, ctl)

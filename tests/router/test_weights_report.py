@@ -126,3 +126,13 @@ async def test_the_final_chunk_before_done_carries_the_versions(events):
     assert [{k: v for k, v in d.items() if k != "rollout_router"} for d in decoded][:len(events)] == events
     assert len(decoded) == len(events) + (0 if events[-1].get("usage") else 1)  # own chunk when nothing was held
     assert seen_cached == ([0] if events[-1].get("usage") else [None])
+
+
+def test_spans_without_tokens_are_dropped():
+    first, later = span(0, [0], {}), span(1, [0, 1], {0: 4})
+    assert [s["weight_version"] for s in version_note(core("keep"), placed(core("keep")), [first, later], None,
+                                                      tokens={0: 4})["spans"]] == [0]  # ended before the update
+    assert [s["weight_version"] for s in version_note(core("keep"), placed(core("keep")), [span(0, [0], {}),
+                                                      span(1, [1], {})], None, tokens={0: 9})["spans"]] == [1]
+    both = version_note(core("keep"), placed(core("keep")), [first, later], None, tokens={0: 9})
+    assert both["weight_versions"] == [0, 1] and both["hybrid"]
