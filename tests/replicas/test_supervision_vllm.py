@@ -106,7 +106,9 @@ async def test_sigkilled_api_server_leaves_nothing_and_comes_back_at_a_new_url(w
     os.kill(pgid, signal.SIGKILL)
     assert await _gone(pgid, GONE_WITHIN_S) == []
     events = await watched.next("restarted")
-    assert [e.kind for e in events] == ["restarting", "restarted"]
+    # a health check may fail before the supervisor sees the process gone (a loaded machine)
+    assert [e.kind for e in events if e.kind != "unhealthy"] == ["restarting", "restarted"], events
+    assert events[0].kind in ("unhealthy", "restarting")
     new = events[-1].endpoint
     assert new.replica_id == old.replica_id and new.base_url != old.base_url and new.api_key != old.api_key
     assert new.scoring_cap is True  # probed before the announcement (the plugin is loaded)

@@ -16,6 +16,7 @@ from bench.overload import OverloadWorkload, compare, render
 from router import keys
 from router.config import AppConfig
 from router.server import running_router
+from tests.engine_brake import EngineBrake
 from tests.router.small_replica import small_replica
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="session")]
@@ -49,17 +50,19 @@ async def test_overload_admission_keeps_prefixes_and_avoids_preemption(small):
 async def test_over_capacity_is_429_with_retry_after(small):
     cfg = AppConfig().replace(router={"port": 0, "scrape_interval_s": 0.2}, policy={"max_queue": 0})
     body = {"prompt": [300] * 1000, "max_tokens": 1000, "ignore_eos": True}  # 63 blocks: about half the cache
-    async with running_router(cfg, small.endpoints) as (url, app):
+    pgid = (await small.info(small.endpoints[0].replica_id)).pid
+    async with running_router(cfg, small.endpoints) as (url, app), EngineBrake(pgid) as brake:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as http:
             first = asyncio.ensure_future(http.post(url + "/v1/completions", json=body))
             core = app[keys.CORE]
-            for _ in range(300):  # wait until the first request is admitted and dispatched
-                if any(core.in_flight(rid) for rid in core.replicas):
-                    break
-                await asyncio.sleep(0.02)
-            assert any(core.in_flight(rid) for rid in core.replicas), "the first request never reached its replica"
+            # the engine is held as soon as the first request is dispatched: it is still running
+            # when the second one asks (on a loaded machine it could otherwise finish first)
+            await brake.hold_when(lambda: any(core.in_flight(rid) for rid in core.replicas), 60,
+                                  what="the first request dispatched")
             async with http.post(url + "/v1/completions", json=body) as r:
                 payload = await r.json()
+            assert any(core.in_flight(rid) for rid in core.replicas)
+            brake.release()
             assert r.status == 429 and int(r.headers["Retry-After"]) >= 1, payload
             assert payload["error"]["type"] == "rate_limit_error"
             async with await first as r:

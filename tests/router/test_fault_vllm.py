@@ -33,6 +33,7 @@ from replicas.supervisor import SupervisionConfig
 from router import keys
 from router.config import AppConfig
 from router.server import running_router
+from tests.engine_brake import EngineBrake
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="session")]
 
@@ -91,14 +92,18 @@ async def _kill_under_load(fleet: Fleet, victim: str, seed: int, kill) -> tuple[
     go on a while, pause until ``victim`` is restarted, resume until it has served a request again;
     stop the load.
     Returns the load, the kill time and the restart time (``time.monotonic()``)."""
-    core = fleet.app[keys.CORE]
+    flights = fleet.app[keys.LIFECYCLE].flights
     load = MixedLoad(fleet.http, fleet.url, MixedWorkload(**{**LOAD.__dict__, "seed": seed}), tag=f"t{seed}")
     load.start()
-    caught = lambda: any(load.last_replica.get(k) == victim for k in load.in_flight)  # noqa: E731
-    await _until(lambda: core.in_flight(victim) > 0 and caught() and len(load.records) >= 8, 120,
-                 f"a session turn in flight on {victim}")
-    killed_at = time.monotonic()
-    await kill()
+    caught = lambda: any(f.job.spec.session_id in load.in_flight  # noqa: E731
+                         for f in flights.get(victim, {}).values())
+    await _until(lambda: len(load.records) >= 8, 120, "the load running")
+    # the victim's engine is held once a session turn is dispatched to it, and killed held: the
+    # turn cannot finish first (on a loaded machine a 48-token turn can end within the kill's ms)
+    async with EngineBrake((await fleet.rs.info(victim)).pid) as brake:
+        await brake.hold_when(caught, 120, what=f"a session turn in flight on {victim}")
+        killed_at = time.monotonic()
+        await kill()
     # the load goes on until the caught turns have moved and more has run on the survivor, then
     # pauses while the replica restarts: on 2 cores, any steady load (the survivor's worker and
     # engine core busy-poll for 1 s after each message) stretches a ~40 s restart to ~2 minutes;

@@ -145,7 +145,10 @@ async def test_redis_killed_and_stopped_under_load_costs_no_5xx_and_no_session_m
                 assert len(reps) == 1, (s, reps)
             base, hit = p99([t for *_, t, _ in healthy]), p99([t for *_, t, _ in faulty])
             print(f"p99 healthy {base * 1000:.0f} ms, under faults {hit * 1000:.0f} ms (timeout {TIMEOUT_S * 1000:.0f} ms)")
-            assert hit <= base + 2 * TIMEOUT_S + 0.25  # a request makes at most two bounded Redis calls
+            # a request makes at most two Redis calls of TIMEOUT_S each; a router without its own
+            # timeouts waits out the 2 s SIGSTOP (base + 2 s). The 1 s slack is for this test's own
+            # event loop (three routers and the clients in one process) stalling on a loaded machine.
+            assert hit <= base + 2 * TIMEOUT_S + 1.0
             import redis.asyncio as aioredis
 
             client = aioredis.from_url(redis.url, decode_responses=True)

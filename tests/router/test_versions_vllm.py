@@ -21,6 +21,7 @@ from replicas.weights import update_weights
 from router import keys
 from router.config import AppConfig
 from router.server import running_router
+from tests.engine_brake import EngineBrake, phase_reached, relaying
 from tests.router.small_replica import small_replica
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="session")]
@@ -185,14 +186,19 @@ async def test_flush_with_a_long_request_in_flight_runs_it_again_under_the_new_w
 
 async def test_flush_refused_by_a_kept_stream_restores_the_old_weights_and_serves_them(http, small):
     repeated = prompt(7, 200)
-    async with router_for(small, "flush") as (url, _):
+    pgid = (await small.info(small.endpoints[0].replica_id)).pid
+    async with router_for(small, "flush") as (url, app), EngineBrake(pgid) as brake:
         await complete(http, url, repeated)
         body = {"prompt": prompt(8, 100), "max_tokens": 1900, "ignore_eos": True, "stream": True}
-        resp = await http.post(url + "/v1/completions", json=body)
-        first = await resp.content.readline()  # streaming: it runs now
-        assert first.startswith(b"data: {"), first
+        resp = asyncio.ensure_future(http.post(url + "/v1/completions", json=body))
+        # held while it streams: it is still running when the update pauses (keep) and resets
+        await brake.hold_when(relaying(app, "replica-0"), 60, what="the stream relaying")
         update_body = {"version": 1, "weights_path": SEED1, "pause_mode": "keep", "preempt_running": False}
-        async with http.post(url + "/admin/weights", json=update_body, headers=ADMIN) as r:
+        answer = asyncio.ensure_future(http.post(url + "/admin/weights", json=update_body, headers=ADMIN))
+        await phase_reached(http, url, ADMIN, "replica-0", ("draining",))
+        await asyncio.sleep(0.3)  # the router counts its kept stream and sends the pause
+        brake.release()
+        async with await answer as r:
             refused = await r.json()
         replica = refused["replicas"][0]
         assert r.status == 502 and replica["reset_confirmed"] is False and replica["kept_streams"] == 1, \
@@ -200,8 +206,9 @@ async def test_flush_refused_by_a_kept_stream_restores_the_old_weights_and_serve
         assert (replica["weights"], replica["weight_version"], replica["in_rotation"]) == ("previous", 0, True)
         assert "prefix cache not reset" in replica["error"]
         assert cached(await complete(http, url, repeated)) == 192  # old weights, old cache: still consistent
-        async with resp:
-            events = [line for line in (await resp.read()).split(b"\n\n") if line.startswith(b"data: {")]
+        async with await resp as stream:
+            events = [line for line in (await stream.read()).split(b"\n\n") if line.startswith(b"data: {")]
         note = json.loads(events[-1][6:])["rollout_router"]
         assert (note["weight_versions"], note["hybrid"], len(note["spans"])) == ([0], False, 1)
+
 

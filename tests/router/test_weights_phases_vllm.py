@@ -18,8 +18,10 @@ import pytest_asyncio
 from replicas.tiny_model import TinyModelSpec, ensure_tiny_model
 from replicas.weights import ReplicaControl, update_weights
 from replicas.weights_http import call
+from router import keys
 from router.config import AppConfig
 from router.server import running_router
+from tests.engine_brake import EngineBrake
 from tests.router.small_replica import small_replica
 from tests.router.weights_check import Claim, verify
 
@@ -128,17 +130,21 @@ async def test_abort_resumes_on_the_previous_weights_and_a_silent_trainer_is_abo
 
 async def test_a_trainer_that_disconnects_mid_update_leaves_every_replica_serving(http, small):
     base = small.endpoints[0].base_url
-    async with running_router(config(weight_update_policy="flush"), small.endpoints) as (url, _):
+    pgid = (await small.info(small.endpoints[0].replica_id)).pid
+    async with running_router(config(weight_update_policy="flush"), small.endpoints) as (url, app), \
+            EngineBrake(pgid) as brake:
         body = {"prompt": list(range(100, 180)), "max_tokens": 400, "ignore_eos": True}
         long = asyncio.ensure_future(http.post(url + "/v1/completions", json=body))
-        await asyncio.sleep(0.3)
+        core = app[keys.CORE]
+        # held while it runs: the update's drain (pause_mode wait) cannot end before the trainer gives up
+        await brake.hold_when(lambda: core.in_flight("replica-0") > 0, 60, what="the long request dispatched")
         update = {"version": 5, "weights_path": CKPT[1], "pause_mode": "wait"}
         async with aiohttp.ClientSession() as trainer:  # times out while the update drains the long request
             with pytest.raises(asyncio.TimeoutError):
                 await trainer.post(url + "/admin/weights", json=update, headers=ADMIN,
                                    timeout=aiohttp.ClientTimeout(total=0.3))
-        assert (await state(http, url))["replicas"]["replica-0"]["phase"] in ("draining", "paused", "loading",
-                                                                              "committing", "serving")
+        assert (await state(http, url))["replicas"]["replica-0"]["phase"] == "draining"
+        brake.release()
         (await long).release()
         status, again = await admin(http, url, "", update)  # the trainer retries: joins or reads the result
         assert status == 200 and again["replicas"][0]["weight_version"] == 5, again

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 
 import aiohttp
 import pytest
@@ -23,6 +22,7 @@ from replicas.weights import update_weights
 from replicas.weights_http import call
 from router.config import AppConfig
 from router.server import running_router
+from tests.engine_brake import EngineBrake, phase_reached, relaying
 from tests.router.small_replica import small_replica
 from tests.router.weights_check import Claim, read_events, stream_claims, verify
 
@@ -117,23 +117,26 @@ async def test_an_update_under_load_every_claim_matches_its_checkpoint(http, sma
     claims: list[Claim] = []
     gen_notes: list[dict] = []
     score_notes: list[dict] = []
-    async with running_router(cfg, small.endpoints) as (url, _):
+    pgid = (await small.info(small.endpoints[0].replica_id)).pid
+    async with running_router(cfg, small.endpoints) as (url, app), EngineBrake(pgid) as brake:
         prompt = tokens(3, 100)
         stop = asyncio.Event()
         loops = [asyncio.ensure_future(session(http, url, stop, claims, gen_notes)),
                  asyncio.ensure_future(scoring(http, url, stop, claims, score_notes))]
         await asyncio.sleep(0.3)  # a turn and a fan-out in flight
         started = [asyncio.Event() for _ in range(GROUP)]
-        begun = time.monotonic()
         streams = [asyncio.ensure_future(stream(http, url, prompt, "grpo-1", f"stream {k}", claims, gen_notes,
                                                 started[k])) for k in range(GROUP)]
-        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)  # both decoding (no admission)
+        # held once both streams have tokens: they are decoding when the update pauses the engine
+        await brake.hold_when(relaying(app, "replica-0", GROUP), 120, what="both streams relaying")
         body = {"version": 1, "weights_path": CKPT[1], "policy": policy, "pause_mode": pause_mode}
         if pause_mode == "wait":
             body["drain_timeout_s"] = 60  # keep / abort: default 0, what is in flight is kept / ended
-        waited = time.monotonic()
-        report = await post(http, url, "/admin/weights", body, ADMIN)
-        waited = {"update_answered_s": time.monotonic() - waited, "streams_started_s": waited - begun}
+        answer = asyncio.ensure_future(post(http, url, "/admin/weights", body, ADMIN))
+        await phase_reached(http, url, ADMIN, "replica-0", ("draining",))
+        await asyncio.sleep(0.3)  # the router counts the streams it keeps and sends the pause
+        brake.release()
+        report = await answer
         stop.set()
         await asyncio.wait_for(asyncio.gather(*streams, *loops), 120)
         replica = report["replicas"][0]
@@ -152,7 +155,7 @@ async def test_an_update_under_load_every_claim_matches_its_checkpoint(http, sma
     if pause_mode == "wait":
         assert not mixed_streams and replica["preempted"] == 0 and replica["drained"]
     if pause_mode != "wait":
-        assert replica["kept_streams"] >= 1, (replica, waited)  # the streams were decoding when it paused
+        assert replica["kept_streams"] == GROUP, replica  # the streams were decoding when it paused
     if pause_mode == "keep":
         assert mixed_streams and all(n["weight_versions"] == [0, 1] for n in mixed_streams)
         assert all(n["spans"][-1]["hybrid"] == (policy in ("keep", "keep+salt")) for n in mixed_streams)

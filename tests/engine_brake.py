@@ -1,0 +1,143 @@
+"""Stop and start a real vLLM replica's engine processes (SIGSTOP / SIGCONT) from a test.
+
+A test that needs "this request is still decoding when the update pauses / the replica dies /
+the second request arrives" cannot get it from timing on a loaded 2-core machine: there the
+engine core's busy loop can decode a 1,000-token stream before its API server (or the router)
+has relayed the first event. :class:`EngineBrake` makes it true by construction: it stops every
+process of the replica's group except the API server (engine core, workers), so the API server
+still answers HTTP and queues RPCs while no token is computed; ``release`` lets them run again.
+
+``throttle`` runs the engine in short bursts (``run_s`` on, ``stop_s`` off) so the API server and
+the router keep up with it; ``hold_when(cond)`` throttles until ``cond()`` is true with the
+engine stopped and returns with it held. Always used as an async context manager, so the engine
+is released whatever the test does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import time
+from collections.abc import AsyncIterator, Callable
+
+from replicas.procs import group_members
+
+
+class EngineBrake:
+    """SIGSTOP / SIGCONT for the engine processes of the replica whose API server is ``pgid``."""
+
+    def __init__(self, pgid: int) -> None:
+        self.pgid = pgid
+        self.held = False
+        self._stopped: list[int] = []
+        self._engine: list[int] = []
+
+    async def __aenter__(self) -> "EngineBrake":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.release()
+
+    def hold(self) -> None:
+        """Stop the engine processes (the API server keeps running). Idempotent."""
+        if self.held:
+            return
+        if not self._engine:  # read once: /proc can be slow to walk on a loaded machine
+            self._engine = [p for p in group_members(self.pgid) if p != self.pgid]
+            assert self._engine, f"replica {self.pgid} has no engine process to stop"
+        self._stopped = list(self._engine)
+        for pid in self._stopped:
+            _signal(pid, signal.SIGSTOP)
+        self.held = True
+
+    def release(self) -> None:
+        """Let the stopped processes run again (those still alive). Idempotent."""
+        for pid in self._stopped:
+            _signal(pid, signal.SIGCONT)
+        self._stopped, self.held = [], False
+
+    @contextlib.asynccontextmanager
+    async def throttled(self, run_s: float = 0.005, stop_s: float = 0.05) -> AsyncIterator["EngineBrake"]:
+        """While inside, the engine runs ``run_s`` seconds of every ``run_s + stop_s``: a long stream
+        goes on for many times longer, while a short request still gets its few steps."""
+        async def cycle() -> None:
+            while True:
+                self.hold()
+                await asyncio.sleep(stop_s)
+                self.release()
+                await asyncio.sleep(run_s)
+        task = asyncio.ensure_future(cycle())
+        try:
+            yield self
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            self.release()
+
+    async def hold_when(self, cond: Callable[[], bool], timeout_s: float = 120.0, *, run_s: float = 0.01,
+                        max_run_s: float = 0.2, settle_s: float = 1.0, what: str = "the condition") -> None:
+        """Run the engine in bursts, starting at ``run_s`` seconds and doubling up to ``max_run_s``
+        (a burst may be too short for one engine step); after each, hold it and poll ``cond()`` for
+        up to ``settle_s`` seconds (the API server and the router relay what the burst made: on a
+        loaded machine that lags the engine by seconds); return held once ``cond()`` is true.
+        Raises AssertionError naming ``what`` after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        burst = run_s
+        while True:
+            self.hold()
+            settled = time.monotonic() + settle_s
+            while True:
+                if cond():
+                    return
+                if time.monotonic() >= settled:
+                    break
+                await asyncio.sleep(0.02)
+            assert time.monotonic() < deadline, f"{what} never held within {timeout_s} s"
+            self.release()
+            await asyncio.sleep(burst)
+            burst = min(2 * burst, max_run_s)
+
+
+def engine_core_pids(pgid: int) -> list[int]:
+    """Pids in ``pgid``'s group whose command line names vLLM's EngineCore."""
+    out = []
+    for pid in group_members(pgid):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"EngineCore" in f.read():
+                    out.append(pid)
+        except OSError:
+            continue
+    return out
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def relaying(app, rid: str, n: int = 1) -> Callable[[], bool]:
+    """A ``hold_when`` condition: the router ``app`` relays at least ``n`` streams from replica
+    ``rid`` that have each had a token and are not finished (``router.lifecycle.Flight``)."""
+    from router import keys
+
+    def cond() -> bool:
+        flights = app[keys.LIFECYCLE].flights.get(rid, {}).values()
+        return sum(1 for f in flights if f.streaming and sum(f.tokens.values()) > 0 and not f.task.done()) >= n
+    return cond
+
+
+async def phase_reached(http, url: str, headers: dict, rid: str, phases: tuple[str, ...], timeout_s: float = 30) -> None:
+    """Poll the router's ``GET /admin/weights`` until replica ``rid``'s update phase is one of ``phases``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        async with http.get(url + "/admin/weights", headers=headers) as r:
+            phase = (await r.json())["replicas"].get(rid, {}).get("phase")
+        if phase in phases:
+            return
+        assert time.monotonic() < deadline, f"replica {rid} never reached {phases} (last {phase})"
+        await asyncio.sleep(0.02)
