@@ -81,9 +81,11 @@ class UpstreamError(RouterError):
 
 
 REPLICA_PARAMS = {"input_tokens": {"completions": "prompt", "chat": "messages", "score": "context"},
-                  "input_text": {"completions": "prompt", "chat": "messages", "score": "context"},
-                  "body.model": {"completions": "model", "chat": "model", "score": "model"}}
+                  "input_text": {"completions": "prompt", "chat": "messages", "score": "context"}}
 """vLLM's names for fields (``error.param`` in its 4xx answers) -> this router's request fields."""
+_LOCATIONS = ("body", "query", "path", "header", "cookie")
+"""FastAPI's request locations: the first part of a pydantic error location vLLM joins with dots
+into ``param`` (``("body", "messages", 0, "content")`` -> ``"body.messages.0.content"``)."""
 
 REQUEST_FIELDS = frozenset("""
     prompt messages model max_tokens max_completion_tokens n stream stream_options temperature top_p top_k
@@ -104,8 +106,15 @@ the input tokens. A router without a tokenizer relies on it (``router.tokenize``
 
 def router_param(param: object, endpoint: str) -> object:
     """The field of *our* request that a replica's ``error.param`` refers to, for ``endpoint``
-    (``"completions"``, ``"chat"``, ``"score"``); unknown names pass through unchanged."""
-    return REPLICA_PARAMS.get(param, {}).get(endpoint, param) if isinstance(param, str) else param
+    (``"completions"``, ``"chat"``, ``"score"``): a location prefix is dropped (``"body.seed"`` ->
+    ``"seed"``, ``"body.messages.0.content"`` -> ``"messages.0.content"``), vLLM's own names are
+    translated (``input_tokens`` -> ``prompt``); other names pass through unchanged."""
+    if not isinstance(param, str):
+        return param
+    location, dot, field = param.partition(".")
+    if dot and field and location in _LOCATIONS:
+        param = field
+    return REPLICA_PARAMS.get(param, {}).get(endpoint, param)
 
 
 def param_in_message(message: object) -> str | None:

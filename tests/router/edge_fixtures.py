@@ -23,6 +23,10 @@ from router.tokenize import PromptTokenizer
 VLLM_NULL_PARAM = {"message": "temperature must be non-negative, got -1.0.", "type": "BadRequestError",
                    "param": None, "code": 400}
 """vLLM 0.32's answer to ``temperature: -1`` (a SamplingParams check that names no ``param``)."""
+VLLM_BODY_PARAM = {"message": "1 validation error:\n  {'type': 'int_parsing', 'loc': 'body.seed', 'msg': 'Input should "
+                          "be a valid integer, unable to parse string as an integer', 'input': 'x'}",
+                   "type": "Bad Request", "param": "body.seed", "code": 400}
+"""vLLM 0.32's answer to ``seed: "x"`` (FastAPI's validation error: ``param`` is the joined pydantic location)."""
 
 
 @dataclass
@@ -37,6 +41,8 @@ def fake_replica_app(seen: list[dict[str, Any]]) -> web.Application:
         seen.append(body)
         if body.get("temperature", 0) < 0:
             return web.json_response({"error": VLLM_NULL_PARAM}, status=400)
+        if isinstance(body.get("seed"), str):
+            return web.json_response({"error": VLLM_BODY_PARAM}, status=400)
         prompt = body.get("prompt") or []
         return web.json_response({"id": "x", "object": "text_completion", "choices": [{"index": 0, "text": "ok"}],
                                   "usage": {"prompt_tokens": len(prompt), "completion_tokens": 1,

@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from tests.router.edge_fixtures import VLLM_NULL_PARAM, edge_router, fake_replica, post
+from tests.router.edge_fixtures import VLLM_BODY_PARAM, VLLM_NULL_PARAM, edge_router, fake_replica, post
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -126,6 +126,13 @@ async def test_a_replica_refusal_without_param_names_the_field():
         status, answer = await post(url, "/v1/completions", json={"prompt": [5, 6], "temperature": -1})
         assert status == 400 and answer["error"]["param"] == "temperature"
         assert answer["error"]["message"] == VLLM_NULL_PARAM["message"]
+
+
+async def test_a_replica_param_with_a_location_prefix_names_our_field():
+    async with fake_replica() as replica, edge_router(replica) as (url, _):
+        status, answer = await post(url, "/v1/completions", json={"prompt": [5, 6], "seed": "x"})
+        assert (status, answer["error"]["param"]) == (400, "seed"), answer  # vLLM said "body.seed"
+        assert answer["error"]["message"] == VLLM_BODY_PARAM["message"]
 
 
 async def test_body_size_is_checked_before_reading_and_while_streaming_it():

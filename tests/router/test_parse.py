@@ -43,6 +43,17 @@ def test_replica_field_names_become_ours():
     assert answer["error"]["param"] == "input_tokens"  # not mutated
 
 
+def test_replica_location_prefixes_are_dropped():
+    from router.errors import router_param, with_router_param
+
+    assert router_param("body.seed", "completions") == "seed"
+    assert router_param("body.messages.0.content", "chat") == "messages.0.content"
+    assert router_param("body.input_tokens", "score") == "context"
+    assert router_param("body", "chat") == "body" and router_param("bodyguard.x", "chat") == "bodyguard.x"
+    answer = {"error": {"message": "bad seed", "param": "body.seed", "code": 400}}
+    assert with_router_param(answer, "completions")["error"]["param"] == "seed"
+
+
 def test_single_element_prompt_list_is_unwrapped():
     assert parse_completion({"prompt": [[5, 6]]}, {}).prompt == [5, 6]
     assert parse_completion({"prompt": ["text"]}, {}).prompt == "text"
