@@ -87,6 +87,9 @@ def _key_text(name: str, value: Any, limits: Limits) -> str | None:
     if isinstance(value, bool) or not isinstance(value, (str, int)):
         raise BadRequest(f"'{name}' must be a string or an integer", param=name)
     text = str(value)
+    if not text.strip():
+        raise BadRequest(f"'{name}' must not be empty (body field {name} or header {HEADER_FOR[name]}); "
+                         "leave it out instead", param=name)
     if len(text) > limits.max_key_chars:
         raise BadRequest(f"'{name}' is {len(text)} characters; at most {limits.max_key_chars}", param=name)
     if not text.isprintable() or not text.isascii() and not is_utf8(text):
@@ -106,7 +109,10 @@ def _weight_version(value: Any) -> int | None:
 
 def routing_keys(body: dict[str, Any], headers: Mapping[str, str], limits: Limits | None = None,
                  tenant: str | None = None) -> RoutingKeys:
-    """Pop the routing fields from ``body`` and merge them with their headers (they must agree)."""
+    """Pop the routing fields from ``body`` and merge them with their headers (they must agree).
+
+    BadRequest naming the field when a session or group id is empty (or blank), or when
+    ``end_session`` / ``X-Session-End`` is true without a session id."""
     limits = limits or default_limits()
     values: dict[str, Any] = {}
     for name in ROUTING_FIELDS:
@@ -115,9 +121,13 @@ def routing_keys(body: dict[str, Any], headers: Mapping[str, str], limits: Limit
             raise BadRequest(f"'{name}' is {str(value)[:40]!r} in the body but {header[:40]!r} in header "
                              f"{HEADER_FOR[name]}; send it once", param=name)
         values[name] = header if value is None else value
-    return RoutingKeys(_key_text("session_id", values["session_id"], limits),
-                       _key_text("group_id", values["group_id"], limits),
-                       _weight_version(values["weight_version"]), tenant, _end_session(body, headers))
+    session_id = _key_text("session_id", values["session_id"], limits)
+    group_id = _key_text("group_id", values["group_id"], limits)
+    end_session = _end_session(body, headers)
+    if end_session and session_id is None:
+        raise BadRequest("'end_session' needs a session id: send 'session_id' (or header X-Session-Id) "
+                         "with the session's last turn", param="end_session")
+    return RoutingKeys(session_id, group_id, _weight_version(values["weight_version"]), tenant, end_session)
 
 
 def _end_session(body: dict[str, Any], headers: Mapping[str, str]) -> bool:

@@ -27,14 +27,14 @@ class RoutingFields(BaseModel):
 
     model_config = _BODY
     session_id: str | int | None = None
-    """A multi-turn session: its turns go to the replica holding its prefix."""
+    """A multi-turn session: its turns go to the replica holding its prefix (not empty)."""
     group_id: str | int | None = None
-    """A group of samples sharing one prompt (GRPO): kept on one replica."""
+    """A group of samples sharing one prompt (GRPO): kept on one replica (not empty)."""
     weight_version: int | str | None = None
     """The policy weight version the request must run under (an integer >= 0)."""
     end_session: bool | None = None
     """This is the session's last turn: its pin and parked prefix are released when it ends
-    (header ``X-Session-End: true``; or ``DELETE /v1/sessions/{session_id}``)."""
+    (header ``X-Session-End: true``; or ``DELETE /v1/sessions/{session_id}``); needs a session id."""
 
 
 class TextPart(BaseModel):

@@ -44,6 +44,8 @@ async def test_hostile_inputs_are_400_naming_the_field():
             ({"prompt": [5, 6]}, {"X-Weight-Version": "²"}, "weight_version"),
             ({"prompt": [5, 6], "session_id": "s" * 300}, {}, "session_id"),
             ({"prompt": [5, 6], "group_id": "g\x00"}, {}, "group_id"),
+            ({"prompt": [5, 6]}, {"X-Session-Id": ""}, "session_id"),
+            ({"prompt": [5, 6], "end_session": True}, {}, "end_session"),  # no session id to end
             ({"prompt": [5, 6], "n": 65}, {}, "n"),
             ({"prompt": [5, 6], "max_tokens": 10**9}, {}, "max_tokens"),
             ({"prompt": [5] * 16000, "max_tokens": 385}, {}, "max_tokens"),  # 16,000 + 385 > 16,384

@@ -115,8 +115,8 @@ def test_end_session_comes_from_the_body_or_a_header_and_is_checked():
     from router.errors import BadRequest
     from router.parse import routing_keys
 
-    assert routing_keys({"end_session": True}, {}).end_session is True
-    assert routing_keys({}, {"X-Session-End": "true"}).end_session is True
+    assert routing_keys({"end_session": True, "session_id": "s"}, {}).end_session is True
+    assert routing_keys({}, {"X-Session-End": "true", "X-Session-Id": "s"}).end_session is True
     body = {"end_session": False, "prompt": [1]}
     assert routing_keys(body, {}).end_session is False and "end_session" not in body  # never forwarded
     for bad_body, bad_headers in (({"end_session": "yes"}, {}), ({}, {"X-Session-End": "maybe"})):
@@ -126,3 +126,27 @@ def test_end_session_comes_from_the_body_or_a_header_and_is_checked():
             assert exc.param == "end_session"
         else:
             raise AssertionError("accepted a bad end_session")
+
+
+@pytest.mark.parametrize("body,headers,param,header", [
+    ({"session_id": ""}, {}, "session_id", "X-Session-Id"),
+    ({}, {"X-Session-Id": ""}, "session_id", "X-Session-Id"),
+    ({"session_id": "  "}, {}, "session_id", "X-Session-Id"),
+    ({"group_id": ""}, {}, "group_id", "X-Group-Id"),
+    ({}, {"X-Group-Id": ""}, "group_id", "X-Group-Id"),
+])
+def test_an_empty_session_or_group_id_is_400_naming_it(body, headers, param, header):
+    with pytest.raises(BadRequest) as err:
+        parse_completion({"prompt": [1], **body}, headers)
+    assert (err.value.status, err.value.param) == (400, param)
+    assert f"'{param}' must not be empty" in err.value.message and header in err.value.message
+
+
+@pytest.mark.parametrize("body,headers", [({"end_session": True}, {}), ({}, {"X-Session-End": "true"}),
+                                          ({"end_session": True, "group_id": "g"}, {})])
+def test_end_session_without_a_session_id_is_400(body, headers):
+    with pytest.raises(BadRequest) as err:
+        parse_completion({"prompt": [1], **body}, headers)
+    assert (err.value.status, err.value.param) == (400, "end_session")
+    assert "'end_session' needs a session id" in err.value.message
+    assert parse_completion({"prompt": [1], "end_session": False}, {}).keys.end_session is False
