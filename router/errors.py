@@ -1,6 +1,6 @@
 """Domain errors and the one middleware that turns them into OpenAI-style JSON errors.
 
-Caller mistakes are 4xx naming the field; a replica failure that cannot be retried is 502;
+Caller mistakes are 4xx naming the field (input they quote is cut short by :func:`echo`); a replica failure that cannot be retried is 502;
 no eligible replica is 503; an overloaded router is 429 with Retry-After. The router's own code
 never answers 5xx to a request on purpose: an exception nobody expected is the last line, a 500
 carrying an error id that is logged with its traceback, never aiohttp's bare page.
@@ -16,6 +16,21 @@ import uuid
 from aiohttp import web
 
 log = logging.getLogger(__name__)
+
+
+ECHO_CHARS = 100
+"""Most characters of a client's input an error message quotes (:func:`echo`)."""
+
+
+def echo(value: object, limit: int = ECHO_CHARS) -> str:
+    """``value`` (a client's input) as an error message quotes it: its text, cut to ``limit``
+    characters followed by ``...`` when longer, so a 4,000-digit number or a long id never comes
+    back whole. Every message that echoes input goes through here."""
+    try:
+        text = value if isinstance(value, str) else str(value)
+    except ValueError:  # an int past Python's digit limit for str()
+        return f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 class RouterError(Exception):

@@ -20,7 +20,7 @@ from replicas.config import StartupError
 from replicas.events import ReplicaEvent
 from replicas.replica_set import ReplicaEndpoint
 from router import keys
-from router.errors import BadRequest, RouterError
+from router.errors import BadRequest, RouterError, echo
 from router.kv_events import KV_EVENTS, sync_watches
 
 log = logging.getLogger(__name__)
@@ -114,7 +114,7 @@ async def add_replica(request: web.Request) -> web.Response:
         raise BadRequest("this router fronts servers given by replicas.urls: it launches none; "
                          "register a running server with {\"url\": \"http://...\"}", param="url")
     if url is not None and url.rstrip("/") in {s.endpoint.base_url for s in request.app[keys.POOL].states()}:
-        raise BadRequest(f"{url[:200]} is already a replica of this router", param="url")
+        raise BadRequest(f"{echo(url)} is already a replica of this router", param="url")
     try:
         endpoint = await fleet.add(url)
     except StartupError as exc:  # unreachable, or a block size the fleet does not share
@@ -129,10 +129,10 @@ async def remove_replica(request: web.Request) -> web.Response:
     rid = request.match_info["replica_id"]
     core = request.app[keys.CORE]
     if rid not in core.replicas:
-        raise BadRequest(f"unknown replica {rid[:80]!r}; known: {sorted(core.replicas)}", param="replica_id")
+        raise BadRequest(f"unknown replica {echo(rid)!r}; known: {sorted(core.replicas)}", param="replica_id")
     unknown = sorted(set(request.query) - {"drain_s"})
     if unknown:
-        raise BadRequest(f"unknown query parameter(s) {unknown}; the drain time is 'drain_s'", param=unknown[0])
+        raise BadRequest(f"unknown query parameter(s) {echo(unknown)}; the drain time is 'drain_s'", param=unknown[0])
     drain = request.query.get("drain_s")
     try:
         drain_s = None if drain is None else float(drain)

@@ -15,7 +15,7 @@ from functools import lru_cache
 from typing import Any, Literal, Mapping
 
 from router.body import is_utf8, load_json_object
-from router.errors import BadRequest
+from router.errors import BadRequest, echo
 from router.schemas import MAX_TOP_LOGPROBS, ChatRequest, CompletionRequest, ScoreBody, validate_body
 
 Endpoint = Literal["completions", "chat"]
@@ -103,7 +103,7 @@ def _weight_version(value: Any) -> int | None:
     if isinstance(value, str) and _DIGITS.fullmatch(value.strip()):
         value = int(value.strip())
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_WEIGHT_VERSION:
-        raise BadRequest(f"'weight_version' must be an integer >= 0, got {str(value)[:40]!r}", param="weight_version")
+        raise BadRequest(f"'weight_version' must be an integer >= 0, got {echo(value)!r}", param="weight_version")
     return value
 
 
@@ -118,7 +118,7 @@ def routing_keys(body: dict[str, Any], headers: Mapping[str, str], limits: Limit
     for name in ROUTING_FIELDS:
         value, header = body.pop(name, None), headers.get(HEADER_FOR[name])
         if value is not None and header is not None and str(value) != header:
-            raise BadRequest(f"'{name}' is {str(value)[:40]!r} in the body but {header[:40]!r} in header "
+            raise BadRequest(f"'{name}' is {echo(value)!r} in the body but {echo(header)!r} in header "
                              f"{HEADER_FOR[name]}; send it once", param=name)
         values[name] = header if value is None else value
     session_id = _key_text("session_id", values["session_id"], limits)
@@ -217,10 +217,10 @@ def _validate_common(body: dict[str, Any], limits: Limits) -> bool:
             raise BadRequest(f"'{name}' must be a positive integer", param=name)
     for name in ("max_tokens", "max_completion_tokens"):
         if (body.get(name) or 0) >= limits.max_model_len:
-            raise BadRequest(f"'{name}' is {body[name]}; the model's max_model_len is {limits.max_model_len} "
+            raise BadRequest(f"'{name}' is {echo(body[name])}; the model's max_model_len is {limits.max_model_len} "
                              "tokens, prompt included", param=name)
     if (body.get("n") or 1) > limits.max_n:
-        raise BadRequest(f"'n' is {body['n']}; at most {limits.max_n} (router.max_n)", param="n")
+        raise BadRequest(f"'n' is {echo(body['n'])}; at most {limits.max_n} (router.max_n)", param="n")
     if body.get("truncate_prompt_tokens") is not None:
         raise BadRequest("'truncate_prompt_tokens' is not supported: the replica would see other tokens than "
                          "the router routed on; truncate the prompt before sending it",

@@ -16,7 +16,7 @@ import asyncio
 import threading
 from typing import Any, Mapping
 
-from router.errors import BadRequest
+from router.errors import BadRequest, echo
 
 
 def _flatten_content(content: Any) -> str:
@@ -107,7 +107,7 @@ class PromptTokenizer:
             return
         if token_ids and (min(token_ids) < 0 or max(token_ids) >= vocab):
             bad = next(t for t in token_ids if not 0 <= t < vocab)
-            raise BadRequest(f"'{param}' holds token ID {bad}, outside the model's vocabulary "
+            raise BadRequest(f"'{param}' holds token ID {echo(bad)}, outside the model's vocabulary "
                              f"[0, {vocab})", param=param)
 
     def completion_ids(self, prompt: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:

@@ -85,6 +85,16 @@ async def test_deep_nesting_and_lone_surrogates_are_400_not_500():
             assert (status, answer["error"]["param"]) == (400, param), answer
 
 
+async def test_a_4000_digit_number_is_not_echoed_whole():
+    async with fake_replica() as replica, edge_router(replica) as (url, _):
+        huge = b"9" * 4000
+        for raw, param in ((b'{"prompt": [1], "max_tokens": ' + huge + b"}", "max_tokens"),
+                           (b'{"prompt": [1, ' + huge + b"]}", "prompt")):  # the vocabulary check
+            status, answer = await post(url, "/v1/completions", data=raw)
+            assert (status, answer["error"]["param"]) == (400, param), answer
+            assert len(answer["error"]["message"]) < 300 and "9" * 100 + "..." in answer["error"]["message"]
+
+
 async def test_non_ascii_bearer_tokens_are_401_on_admin_and_api():
     async with fake_replica() as replica, edge_router(replica, admin_token="secret", tenant_header=True,
                                                       api_keys={"k-a": "team-a", "k-b": None}) as (url, _):

@@ -150,3 +150,23 @@ def test_end_session_without_a_session_id_is_400(body, headers):
     assert (err.value.status, err.value.param) == (400, "end_session")
     assert "'end_session' needs a session id" in err.value.message
     assert parse_completion({"prompt": [1], "end_session": False}, {}).keys.end_session is False
+
+
+@pytest.mark.parametrize("body,headers,param", [
+    ({"n": int("9" * 4000)}, {}, "n"),
+    ({"max_tokens": int("9" * 4000)}, {}, "max_tokens"),
+    ({"weight_version": "9" * 5000}, {}, "weight_version"),
+    ({"session_id": "a" * 5000}, {"X-Session-Id": "b" * 5000}, "session_id"),
+])
+def test_echoed_input_is_cut_to_about_100_characters(body, headers, param):
+    with pytest.raises(BadRequest) as err:
+        parse_completion({"prompt": [1], **body}, headers)
+    assert (err.value.status, err.value.param) == (400, param)
+    assert len(err.value.message) < 300 and "..." in err.value.message, err.value.message
+
+
+def test_echo_cuts_long_input_with_an_ellipsis():
+    from router.errors import echo
+
+    assert echo("short") == "short" and echo(12) == "12"
+    assert echo("x" * 101) == "x" * 100 + "..." and echo(int("7" * 4000)) == "7" * 100 + "..."
