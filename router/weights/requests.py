@@ -18,13 +18,15 @@ Two-phase (weights pushed by the trainer), all targets at once::
     commit  {"version", "weights_path": optional folder holding the pushed weights (later restores)}
     abort   {"version", "restore": true}           # reload the previous folder before resuming
 
-Every parser raises BadRequest naming the field.
+Every parser raises BadRequest naming the field; the folder form and ``begin`` check every field
+first, then name the first invalid one in body order (a missing required field after the fields
+given) in ``param``, and every invalid one in the message.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from cache_policy.salts import WEIGHT_UPDATE_POLICIES
 from cache_policy.types import ReplicaId
@@ -54,19 +56,17 @@ class UpdateRequest:
 
 def parse_update(body: dict[str, Any], cfg: AppConfig, known: list[ReplicaId], current: int | None) -> UpdateRequest:
     """``POST /admin/weights``: a folder reload."""
-    path = body.get("weights_path")
-    if not isinstance(path, str) or not path:
-        version(body, current)
-        raise BadRequest("'weights_path' must be a checkpoint folder on the replicas' machine", param="weights_path")
-    return _common(body, cfg, known, current, path)
+    return _common(body, cfg, known, current, {"weights_path": lambda: _folder(body)})[0]
 
 
 def parse_begin(body: dict[str, Any], cfg: AppConfig, known: list[ReplicaId], current: int | None) -> UpdateRequest:
     """``POST /admin/weights/begin``: a push the trainer makes between begin and commit."""
-    req = _common(body, cfg, known, current, None)
-    transfer = _choice(body, "transfer", TRANSFERS, "none")
-    timeout = _seconds(body, "commit_timeout_s", cfg.router.weight_update_commit_timeout_s, positive=True)
-    return UpdateRequest(**{**req.__dict__, "mode": "all", "transfer": transfer, "commit_timeout_s": timeout})
+    timeout = cfg.router.weight_update_commit_timeout_s
+    req, values = _common(body, cfg, known, current, {
+        "transfer": lambda: _choice(body, "transfer", TRANSFERS, "none"),
+        "commit_timeout_s": lambda: _seconds(body, "commit_timeout_s", timeout, positive=True)})
+    return UpdateRequest(**{**req.__dict__, "mode": "all", "transfer": values["transfer"],
+                            "commit_timeout_s": values["commit_timeout_s"]})
 
 
 def parse_commit(body: dict[str, Any]) -> tuple[int, str | None]:
@@ -96,22 +96,63 @@ def version(body: dict[str, Any], current: int | None) -> int:
 
 
 def _common(body: dict[str, Any], cfg: AppConfig, known: list[ReplicaId], current: int | None,
-            path: str | None) -> UpdateRequest:
-    v = version(body, current)
+            extra: dict[str, Callable[[], Any]]) -> tuple[UpdateRequest, dict[str, Any]]:
+    """The fields every update takes, and the ``extra`` ones of its form, all checked (:func:`_checked`)."""
     r = cfg.router
-    policy = _choice(body, "policy", WEIGHT_UPDATE_POLICIES, r.weight_update_policy)
-    mode = _choice(body, "mode", MODES, r.weight_update_mode)
-    pause_mode = _choice(body, "pause_mode", PAUSE_MODES, r.weight_update_pause_mode)
-    preempt = body.get("preempt_running", r.flush_preempt_running)
-    if not isinstance(preempt, bool):
-        raise BadRequest("'preempt_running' must be a boolean", param="preempt_running")
-    drain = _seconds(body, "drain_timeout_s", r.weight_update_drain_s if pause_mode == "wait" else 0.0)
+    waits = body.get("pause_mode", r.weight_update_pause_mode) == "wait"
+    values = _checked(body, {
+        "version": lambda: version(body, current),
+        "policy": lambda: _choice(body, "policy", WEIGHT_UPDATE_POLICIES, r.weight_update_policy),
+        "mode": lambda: _choice(body, "mode", MODES, r.weight_update_mode),
+        "pause_mode": lambda: _choice(body, "pause_mode", PAUSE_MODES, r.weight_update_pause_mode),
+        "preempt_running": lambda: _flag(body, "preempt_running", r.flush_preempt_running),
+        "drain_timeout_s": lambda: _seconds(body, "drain_timeout_s", r.weight_update_drain_s if waits else 0.0),
+        "replicas": lambda: _replicas(body, known),
+        **extra})
+    req = UpdateRequest(values["version"], values.get("weights_path"), values["policy"], values["mode"],
+                        values["pause_mode"], values["preempt_running"], values["replicas"], values["drain_timeout_s"])
+    return req, values
+
+
+def _checked(body: dict[str, Any], checks: dict[str, Callable[[], Any]]) -> dict[str, Any]:
+    """Every field's value from its check. When some are invalid: BadRequest whose ``param`` is
+    the first invalid field in body order (a required field the body lacks comes after those it
+    holds) and whose message names every invalid field, in that order."""
+    values: dict[str, Any] = {}
+    errors: dict[str, BadRequest] = {}
+    for name, check in checks.items():
+        try:
+            values[name] = check()
+        except BadRequest as exc:
+            errors[name] = exc
+    if errors:
+        position = {key: i for i, key in enumerate(body)}
+        names = sorted(errors, key=lambda name: position.get(name, len(position)))
+        raise BadRequest("; ".join(errors[name].message for name in names), param=errors[names[0]].param)
+    return values
+
+
+def _folder(body: dict[str, Any]) -> str:
+    path = body.get("weights_path")
+    if not isinstance(path, str) or not path:
+        raise BadRequest("'weights_path' must be a checkpoint folder on the replicas' machine", param="weights_path")
+    return path
+
+
+def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name, default)
+    if not isinstance(value, bool):
+        raise BadRequest(f"'{name}' must be a boolean", param=name)
+    return value
+
+
+def _replicas(body: dict[str, Any], known: list[ReplicaId]) -> tuple[ReplicaId, ...] | None:
     replicas = body.get("replicas")
-    if replicas is not None:
-        if not isinstance(replicas, list) or not replicas or any(x not in known for x in replicas):
-            raise BadRequest(f"'replicas' must be a non-empty list of replica ids among {known}", param="replicas")
-        replicas = tuple(dict.fromkeys(replicas))
-    return UpdateRequest(v, path, policy, mode, pause_mode, preempt, replicas, drain)
+    if replicas is None:
+        return None
+    if not isinstance(replicas, list) or not replicas or any(x not in known for x in replicas):
+        raise BadRequest(f"'replicas' must be a non-empty list of replica ids among {known}", param="replicas")
+    return tuple(dict.fromkeys(replicas))
 
 
 def _choice(body: dict[str, Any], name: str, choices: tuple[str, ...], default: str) -> str:

@@ -41,6 +41,30 @@ def test_bad_fields_are_named(body, param):
     assert err.value.param == param
 
 
+@pytest.mark.parametrize("body,param,named", [
+    ({"version": 3, "policy": "bogus"}, "policy", ["'policy' must be one of", "'weights_path'"]),  # path missing
+    ({"version": 3, "weights_path": "/c", "policy": "bogus"}, "policy", ["'policy' must be one of"]),
+    ({"policy": "bogus", "version": -1, "weights_path": "/c"}, "policy", ["'policy'", "'version'"]),
+    ({"weights_path": "", "mode": "canary", "version": 3}, "weights_path", ["'weights_path'", "'mode'"]),
+])
+def test_the_first_invalid_field_is_named_and_every_one_listed(body, param, named):
+    with pytest.raises(BadRequest) as err:
+        parse_update(body, AppConfig(), IDS, current=2)
+    assert (err.value.status, err.value.param) == (400, param), err.value.message
+    message = err.value.message
+    assert [message.find(text) for text in named] == sorted(message.find(text) for text in named)
+    assert all(text in message for text in named) and message.count("; ") == len(named) - 1, message
+
+
+def test_begin_names_the_first_invalid_field_in_body_order():
+    from router.weights.requests import parse_begin
+
+    with pytest.raises(BadRequest) as err:
+        parse_begin({"version": 4, "transfer": "nccl", "policy": "bogus"}, AppConfig(), IDS, current=3)
+    assert (err.value.status, err.value.param) == (400, "transfer")
+    assert err.value.message.startswith("'transfer' must be one of") and "; 'policy' must be one of" in err.value.message
+
+
 def test_router_config_checks_the_new_knobs():
     with pytest.raises(ValueError, match="weight_update_policy"):
         AppConfig().replace(router={"weight_update_policy": "salted"})
