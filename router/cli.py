@@ -50,7 +50,8 @@ def _flag_type(cls: type, f: dataclasses.Field) -> type | None:
 
 def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, prefix: str = "",
                         skip: frozenset[str] = frozenset()) -> None:
-    """One ``--name`` flag per simple field of ``cls`` not in ``skip`` (defaults from the dataclass)."""
+    """One ``--name`` flag per simple field of ``cls`` not in ``skip`` (defaults from the dataclass;
+    help from the field's docstring, as plain text: see :func:`_plain`)."""
     group = parser.add_argument_group(cls.__name__)
     for f in dataclasses.fields(cls):
         kind = _flag_type(cls, f)
@@ -76,12 +77,20 @@ def _doc(cls: type, name: str) -> str:
                 parts.append(doc_line.strip().strip('"').strip())
                 if doc_line.rstrip().endswith('"""') and (len(parts) > 1 or doc_line.strip().count('"""') == 2):
                     break
-            return _SOURCE_REF.sub("", " ".join(p for p in parts if p)) + " "
+            return _plain(" ".join(p for p in parts if p)) + " "
     return ""
 
 
 _SOURCE_REF = re.compile(r" \((?:DESIGN rule \d+|seed \d+[^)]*)\)")
 """Spec references such as " (DESIGN rule 3)" or " (seed 003)": kept in docstrings, left out of --help."""
+_RST_LITERAL = re.compile(r"``(.+?)``")
+"""reStructuredText inline literals (two backticks each side): plain text in --help."""
+
+
+def _plain(doc: str) -> str:
+    """A field docstring as --help shows it: spec references left out, and an inline literal
+    (a name between double backticks) written as the bare name."""
+    return _RST_LITERAL.sub(r"\1", _SOURCE_REF.sub("", doc))
 
 
 def dataclass_overrides(args: argparse.Namespace, cls: type, prefix: str = "") -> dict[str, Any]:

@@ -47,6 +47,17 @@ def test_help_leaves_spec_references_out():
     assert "DESIGN rule" not in out and "(seed 0" not in out
 
 
+def test_help_shows_docstring_literals_as_plain_text():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "router.cli", "serve", "--help"], capture_output=True, text=True,
+                         check=True).stdout
+    assert "``" not in out, [line for line in out.splitlines() if "``" in line]
+    assert "projected KV usage would pass policy.high_watermark" in " ".join(out.split())
+    assert "gives no max_tokens." in out
+
+
 def test_a_bad_config_file_prints_one_line_and_exits_2(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text("replicas:\n  kv_cache_space_gib: 1.5\n")
