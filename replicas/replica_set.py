@@ -208,7 +208,7 @@ class ReplicaSet(Membership):
 
     async def _wrap_urls(self) -> None:
         for index, url in enumerate(self.cfg.urls):
-            await self._wrap(self._take_index(index), url, f"ReplicaSetConfig.urls[{index}]")
+            await self._wrap(self._take_index(index), url, f"replicas.urls[{index}]")
 
     async def _wrap(self, index: int, url: str, what: str) -> ReplicaEndpoint:
         """Use the running server at ``url`` as replica ``index``: its block size and KV size from

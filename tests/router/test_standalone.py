@@ -112,5 +112,5 @@ async def test_servers_that_disagree_on_block_size_are_one_line_refused(tmp_path
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
         _, err = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode == 2
-    assert err.decode() == (f"rollout-router: cannot start: ReplicaSetConfig.urls[1] {b} has KV block size 32 but "
+    assert err.decode() == (f"rollout-router: cannot start: replicas.urls[1] {b} has KV block size 32 but "
                             f"replica-0 ({a}) has 16: every replica behind one router must use the same block size\n")
