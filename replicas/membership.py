@@ -28,7 +28,7 @@ class Membership:
         self._require_started()
         index = self._take_index()
         if url is not None:
-            endpoint = await self._wrap(index, url.rstrip("/"), "ReplicaSet.add(url)")
+            endpoint = await self._wrap(index, url.rstrip("/"), "the url")
         else:
             if not self._model_path:
                 from replicas.server import resolve_model

@@ -20,6 +20,7 @@ from replicas.config import StartupError
 from replicas.events import ReplicaEvent
 from replicas.replica_set import ReplicaEndpoint
 from router import keys
+from router.body import load_json_object
 from router.errors import BadRequest, RouterError, echo
 from router.kv_events import KV_EVENTS, sync_watches
 
@@ -105,8 +106,8 @@ async def list_replicas(request: web.Request) -> web.Response:
 
 async def add_replica(request: web.Request) -> web.Response:
     """POST /admin/replicas ``{}`` (start one from the config) or ``{"url": "http://..."}`` (register)."""
-    body = await request.json() if request.body_exists else {}
-    url = body.get("url") if isinstance(body, dict) else None
+    body = load_json_object(await request.read()) if request.body_exists else {}
+    url = body.get("url")
     if url is not None and (not isinstance(url, str) or not url.startswith(("http://", "https://"))):
         raise BadRequest("'url' must be an http(s) URL of a running vLLM server", param="url")
     fleet = _fleet(request)

@@ -139,4 +139,7 @@ async def test_admin_replicas_refuses_a_launch_in_router_only_mode_and_a_duplica
         assert r.status == 400 and "already" in (await r.json())["error"]["message"]
         r = await client.delete(f"/admin/replicas/{A}?drain_timeout_s=3", headers=auth)
         assert r.status == 400 and (await r.json())["error"]["param"] == "drain_timeout_s"
+        for bad in (b"{not json", b"[1, 2]", b'"http://127.0.0.1:9"'):
+            r = await client.post("/admin/replicas", data=bad, headers=auth)
+            assert r.status == 400 and (await r.json())["error"]["param"] == "body", bad
     assert calls == []  # nothing was launched or registered
