@@ -100,6 +100,19 @@ class EngineBrake:
             burst = min(2 * burst, max_run_s)
 
 
+async def engine_core_of(replica_set, rid: str, timeout_s: float = 60.0) -> tuple[int, int]:
+    """``(pgid, engine core pid)`` of replica ``rid``, waiting until its group shows exactly one
+    EngineCore (a replica just restarted can be announced before ``/proc`` shows its title)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        pgid = (await replica_set.info(rid)).pid
+        cores = engine_core_pids(pgid)
+        if len(cores) == 1:
+            return pgid, cores[0]
+        assert time.monotonic() < deadline, f"replica {rid} (group {pgid}) shows engine cores {cores}"
+        await asyncio.sleep(0.2)
+
+
 def engine_core_pids(pgid: int) -> list[int]:
     """Pids in ``pgid``'s group whose command line names vLLM's EngineCore."""
     out = []

@@ -19,6 +19,7 @@ from replicas.auth import ReplicaAuth
 from replicas.config import ReplicaSetConfig
 from replicas.ops import fetch_metrics
 from replicas.procs import group_members
+from tests.engine_brake import engine_core_of
 from replicas.replica_set import ReplicaSet
 from replicas.supervisor import SupervisionConfig
 
@@ -121,10 +122,8 @@ async def test_sigkilled_api_server_leaves_nothing_and_comes_back_at_a_new_url(w
 async def test_sigkilled_engine_core_is_noticed_and_the_replica_restarted(watched):
     rs = watched.rs
     old = rs.endpoints[0]
-    pgid = (await rs.info(old.replica_id)).pid
-    core = [p for p in group_members(pgid) if b"EngineCore" in open(f"/proc/{p}/cmdline", "rb").read()]
-    assert len(core) == 1
-    os.kill(core[0], signal.SIGKILL)
+    pgid, core = await engine_core_of(rs, old.replica_id)
+    os.kill(core, signal.SIGKILL)
     events = await watched.next("restarted")
     assert events[0].kind in ("unhealthy", "restarting") and events[-1].endpoint.base_url != old.base_url
     assert await _gone(pgid, GONE_WITHIN_S) == []  # the old API server and worker went too

@@ -33,7 +33,7 @@ from replicas.supervisor import SupervisionConfig
 from router import keys
 from router.config import AppConfig
 from router.server import running_router
-from tests.engine_brake import EngineBrake
+from tests.engine_brake import EngineBrake, engine_core_of
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="session")]
 
@@ -177,13 +177,11 @@ async def test_api_server_sigkilled_under_load(fleet):
 async def test_engine_core_sigkilled_under_load(fleet):
     rs, victim = fleet.rs, "replica-1"
     old_url = rs.endpoint(victim).base_url
-    pgid = (await rs.info(victim)).pid
-    core = [p for p in group_members(pgid) if b"EngineCore" in open(f"/proc/{p}/cmdline", "rb").read()]
-    assert len(core) == 1
+    pgid, core = await engine_core_of(rs, victim)
     before, retries_before = await _generated(fleet), _retries(fleet)
 
     async def kill() -> None:
-        os.kill(core[0], signal.SIGKILL)
+        os.kill(core, signal.SIGKILL)
 
     load, killed_at, back_at = await _kill_under_load(fleet, victim, 2, kill)
     await asyncio.sleep(1.0)
