@@ -457,10 +457,16 @@ class DecisionCore:
         choice = job.choice
         if not choice.pins_version:
             return
-        eligible = {self.versions.loaded.get(rid) for rid, rec in self.replicas.items()
-                    if rec.healthy and rid not in self.versions.rotation and rid not in job.tried}
-        eligible.discard(None)
-        if not eligible or choice.version in eligible:
+        loaded, rotation = self.versions.loaded, self.versions.rotation
+        eligible: set[int] = set()
+        for rid, rec in self.replicas.items():  # stops at the first eligible replica serving it
+            if rec.healthy and rid not in rotation and rid not in job.tried:
+                version = loaded.get(rid)
+                if version == choice.version:
+                    return
+                if version is not None:
+                    eligible.add(version)
+        if not eligible:
             return
         new = self.versions.choice_for(max(eligible), job.spec.tenant)
         for kind, key in (("session", job.spec.session_id), ("group", job.spec.group_id)):
