@@ -19,6 +19,7 @@ Pure bookkeeping: no I/O, times come from the caller's clock.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from cache_policy.admission_queue import Priority
@@ -45,7 +46,8 @@ class Ticket:
     requests: int = 1
 
 
-_NO_PEER = PeerLoad()
+NO_PEER = PeerLoad()
+"""The share of a replica no other router reports (zero requests and blocks)."""
 
 
 class KvLedger:
@@ -74,6 +76,11 @@ class KvLedger:
             raise RuntimeError(f"bug: ticket {ticket.number} released twice or never admitted")
         self._requests[ticket.replica_id] -= ticket.requests
 
+    @property
+    def requests_by_replica(self) -> Mapping[ReplicaId, int]:
+        """Engine requests in flight per replica (:meth:`count` for all at once; read-only)."""
+        return self._requests
+
     def count(self, rid: ReplicaId) -> int:
         """Engine requests in flight on ``rid`` (a fan-out counts each of its requests)."""
         return self._requests.get(rid, 0)
@@ -89,7 +96,7 @@ class KvLedger:
 
     def peer(self, rid: ReplicaId) -> PeerLoad:
         """Other routers' share on ``rid`` (zero when none)."""
-        return self.peers.get(rid, _NO_PEER)
+        return self.peers.get(rid, NO_PEER)
 
     def forget_replica(self, rid: ReplicaId) -> None:
         """``rid`` left: its tickets are released by their requests, its scrape time goes."""
