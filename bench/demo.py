@@ -127,6 +127,19 @@ def plot(results: list[RunResult], path: Path) -> None:
     plt.close(fig)
 
 
+async def warm_up(replica_set: ReplicaSet) -> None:
+    """One short completion on each replica, so the first timed run (``wall s``) does not pay
+    the engines' first-request costs; caches are reset before every run anyway."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300),
+                                     middlewares=(replica_set.auth,)) as http:
+        async def one(ep: ReplicaEndpoint) -> None:
+            body = {"model": ep.model, "prompt": list(range(100, 164)), "max_tokens": 8, "ignore_eos": True}
+            async with http.post(ep.base_url + "/v1/completions", json=body) as resp:
+                if resp.status != 200:
+                    raise RuntimeError(f"warm-up on {ep.replica_id} failed: {resp.status} {await resp.text()}")
+        await asyncio.gather(*(one(ep) for ep in replica_set.endpoints))
+
+
 async def run_demo(cfg: AppConfig, grpo: GrpoWorkload, agent: AgentWorkload, out: Path,
                    routers: Sequence[str] = ("prefix_affinity", "round_robin")) -> dict:
     """Start the replicas, run both workloads under each router, print and save the results."""
@@ -136,6 +149,7 @@ async def run_demo(cfg: AppConfig, grpo: GrpoWorkload, agent: AgentWorkload, out
     async with ReplicaSet(cfg.replicas) as replica_set:
         endpoints = replica_set.endpoints
         console.print("replicas: " + ", ".join(f"{e.replica_id}={e.base_url}" for e in endpoints))
+        await warm_up(replica_set)
         results = []
         with Progress(console=console, transient=True) as progress:
             for workload in (grpo, agent):

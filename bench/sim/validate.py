@@ -10,6 +10,11 @@ Replays ``bench/demo.py``'s traffic exactly as ``bench/client.py`` sends it (sam
 and prints its prefilled tokens next to the real demo's ``results/demo.json`` (written by
 ``python -m bench.demo_cli``, what ``scripts/demo.sh`` runs). A reply's token IDs are random here (the real model's differ), which
 does not change which blocks are shared: every reply is 32 tokens either way.
+
+Exits 1 when a row differs from the real run by more than 10%. Known miss: agent sessions under
+``round_robin`` (simulated about 40% low) — the simulated sessions run in lockstep (equal lengths,
+no timing noise), so round-robin sends each session's turns to the same replica by accident,
+while on real engines the turns' order shuffles and sessions move.
 """
 
 from __future__ import annotations
@@ -110,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"({err:+.1%})")
     if real:
         print(f"largest difference {worst:.1%} ({'within' if worst <= 0.10 else 'NOT within'} 10%)")
-    return 0
+    return 0 if worst <= 0.10 else 1  # a miss is a failed validation, for scripts too
 
 
 if __name__ == "__main__":
