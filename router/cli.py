@@ -57,7 +57,8 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, prefix: str 
         kind = _flag_type(cls, f)
         if kind is None or f.name in skip:
             continue
-        default = f.default if f.default is not dataclasses.MISSING else None
+        default = (f.default if f.default is not dataclasses.MISSING
+                   else f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
         group.add_argument(f"--{prefix}{f.name}".replace("_", "-"), dest=f"{prefix}{f.name}".replace("-", "_"), type=kind,
                            default=None, help=f"{_doc(cls, f.name)}(default: {default})")
 

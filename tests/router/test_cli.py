@@ -56,6 +56,7 @@ def test_help_shows_docstring_literals_as_plain_text():
     assert "``" not in out, [line for line in out.splitlines() if "``" in line]
     assert "projected KV usage would pass policy.high_watermark" in " ".join(out.split())
     assert "gives no max_tokens." in out
+    assert "Separate from admin_token. (default: {})" in " ".join(out.split())  # a default_factory's value
 
 
 def test_a_bad_config_file_prints_one_line_and_exits_2(tmp_path, capsys):
