@@ -51,12 +51,14 @@ async def _all_metrics(http: aiohttp.ClientSession, endpoints: Sequence[ReplicaE
 
 
 async def run_one(cfg: AppConfig, endpoints: Sequence[ReplicaEndpoint], tokenizer: PromptTokenizer,
-                  policy: str, workload: GrpoWorkload | AgentWorkload, progress: Progress) -> RunResult:
-    """Reset caches, run ``workload`` through a fresh router with ``policy``, diff the metrics."""
+                  policy: str, workload: GrpoWorkload | AgentWorkload, progress: Progress,
+                  label: str = "") -> RunResult:
+    """Reset caches, run ``workload`` through a fresh router with ``policy``, diff the metrics.
+    ``label``: the progress bar's name (default: the workload's)."""
     name = "grpo" if isinstance(workload, GrpoWorkload) else "agent"
     total = (workload.num_prompts * workload.group_size if name == "grpo"
              else workload.num_sessions * workload.turns)
-    task = progress.add_task(f"{name:5s} via {policy}", total=total)
+    task = progress.add_task(f"{label or name:5s} via {policy}", total=total)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as http:
         for ok in await asyncio.gather(*(reset_prefix_cache(http, ep.base_url) for ep in endpoints)):
             if not ok:
@@ -127,19 +129,6 @@ def plot(results: list[RunResult], path: Path) -> None:
     plt.close(fig)
 
 
-async def warm_up(replica_set: ReplicaSet) -> None:
-    """One short completion on each replica, so the first timed run (``wall s``) does not pay
-    the engines' first-request costs; caches are reset before every run anyway."""
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300),
-                                     middlewares=(replica_set.auth,)) as http:
-        async def one(ep: ReplicaEndpoint) -> None:
-            body = {"model": ep.model, "prompt": list(range(100, 164)), "max_tokens": 8, "ignore_eos": True}
-            async with http.post(ep.base_url + "/v1/completions", json=body) as resp:
-                if resp.status != 200:
-                    raise RuntimeError(f"warm-up on {ep.replica_id} failed: {resp.status} {await resp.text()}")
-        await asyncio.gather(*(one(ep) for ep in replica_set.endpoints))
-
-
 async def run_demo(cfg: AppConfig, grpo: GrpoWorkload, agent: AgentWorkload, out: Path,
                    routers: Sequence[str] = ("prefix_affinity", "round_robin")) -> dict:
     """Start the replicas, run both workloads under each router, print and save the results."""
@@ -149,9 +138,11 @@ async def run_demo(cfg: AppConfig, grpo: GrpoWorkload, agent: AgentWorkload, out
     async with ReplicaSet(cfg.replicas) as replica_set:
         endpoints = replica_set.endpoints
         console.print("replicas: " + ", ".join(f"{e.replica_id}={e.base_url}" for e in endpoints))
-        await warm_up(replica_set)
         results = []
         with Progress(console=console, transient=True) as progress:
+            # untimed: the engines' first batches of each shape cost seconds (CPU kernels set up per
+            # shape), which the first timed run would pay alone (its wall time read 5x the others)
+            await run_one(cfg, endpoints, tokenizer, routers[-1], grpo, progress, label="warm-up")
             for workload in (grpo, agent):
                 for policy in routers:
                     results.append(await run_one(cfg, endpoints, tokenizer, policy, workload, progress))
