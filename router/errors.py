@@ -1,9 +1,10 @@
 """Domain errors and the one middleware that turns them into OpenAI-style JSON errors.
 
-Caller mistakes are 4xx naming the field (input they quote is cut short by :func:`echo`); a replica failure that cannot be retried is 502;
-no eligible replica is 503; an overloaded router is 429 with Retry-After. The router's own code
-never answers 5xx to a request on purpose: an exception nobody expected is the last line, a 500
-carrying an error id that is logged with its traceback, never aiohttp's bare page.
+Caller mistakes are 4xx naming the field (input they quote is cut short by :func:`echo`); a
+replica failure that cannot be retried is 502; no eligible replica is 503; an overloaded router
+is 429 with Retry-After. The router's own code never answers 5xx to a request on purpose: an
+exception nobody expected is the last line, a 500 carrying an error id that is logged with its
+traceback, never aiohttp's bare page.
 """
 
 from __future__ import annotations
