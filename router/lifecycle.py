@@ -219,10 +219,11 @@ class Lifecycle:
     async def _admit(self, job: Job) -> bool:
         """Admit ``job`` or wait in the queue; False when its replica left (place it again)."""
         adm = self.core.admit(job, self.clock())
-        self._deliver(self.core.pump(self.clock()))
         if adm.verdict == "queue":
             self.metrics.admission_queued.labels(job.queued.priority).inc()
-            adm = await self._wait(job)
+            adm = await self._wait(job)  # it pumps once its waiter is set: the pump may admit it at once
+        else:
+            self._deliver(self.core.pump(self.clock()))
         if adm.verdict == "reject":
             self.metrics.admission_rejected.labels(adm.reason).inc()
             if adm.reason == "shutdown":
@@ -237,7 +238,7 @@ class Lifecycle:
     async def _wait(self, job: Job) -> Admission:
         future: asyncio.Future[Admission] = asyncio.get_running_loop().create_future()
         self._waiters[job.id] = future
-        self.metrics.admission_queue_length.set(self.core.queue_length())
+        self._deliver(self.core.pump(self.clock()))  # after the waiter is set, so its own decision reaches it
         started = self.clock()
         try:
             while not future.done():
