@@ -71,14 +71,12 @@ async def post(http, url: str, path: str, body: dict, headers: dict | None = Non
     raise AssertionError(f"{path}: still 503 after 20 tries: {payload}")
 
 
-async def stream(http, url: str, prompt: list[int], group: str, what: str, out: list, notes: list,
-                 started: asyncio.Event) -> None:
+async def stream(http, url: str, prompt: list[int], group: str, what: str, out: list, notes: list) -> None:
     body = {"prompt": prompt, "max_tokens": STREAM_TOKENS, "ignore_eos": True, "temperature": 0.0, "logprobs": 0,
             "return_token_ids": True, "stream": True}
     async with http.post(url + "/v1/completions", json=body, headers={"X-Group-Id": group}) as r:
         assert r.status == 200, await r.text()
-        first = await r.content.readuntil(b"\n\n")  # it is decoding now
-        started.set()
+        first = await r.content.readuntil(b"\n\n")
         claims, note, _ = stream_claims(prompt, await read_events(r, first), what)
     out.extend(claims)
     notes.append(note)
@@ -132,9 +130,8 @@ async def test_an_update_under_load_every_claim_matches_its_checkpoint(http, sma
         loops = [asyncio.ensure_future(session(http, url, stop, claims, gen_notes)),
                  asyncio.ensure_future(scoring(http, url, stop, claims, score_notes))]
         await asyncio.sleep(0.3)  # a turn and a fan-out in flight
-        started = [asyncio.Event() for _ in range(GROUP)]
-        streams = [asyncio.ensure_future(stream(http, url, prompt, "grpo-1", f"stream {k}", claims, gen_notes,
-                                                started[k])) for k in range(GROUP)]
+        streams = [asyncio.ensure_future(stream(http, url, prompt, "grpo-1", f"stream {k}", claims, gen_notes))
+                   for k in range(GROUP)]
         # held once a stream has tokens: it is decoding when the update pauses the engine (waiting for
         # both can let the first one finish while the second is still being placed)
         await brake.hold_when(relaying(app, "replica-0"), 120, what="a stream relaying")
