@@ -52,12 +52,20 @@ def project(view: ReplicaView, ledger: KvLedger, registry: KeyRegistry) -> Repli
     A replica of unknown size (``num_gpu_blocks == 0``) keeps its scraped usage.
     """
     rid, cap = view.replica_id, view.num_gpu_blocks
-    peer = ledger.peer(rid)
-    count = ledger.count(rid) + peer.requests
+    count = ledger.count(rid) + ledger.peer(rid).requests
     if not cap:
         return replace(view, in_flight=count)
-    running = max(view.kv_cache_usage * cap + ledger.unseen(rid) + peer.unseen, ledger.committed(rid) + peer.committed)
+    running = running_blocks(view, ledger)
     return replace(view, in_flight=count, kv_cache_usage=(running + registry.parked_blocks(rid)) / cap)
+
+
+def running_blocks(view: ReplicaView, ledger: KvLedger) -> float:
+    """Blocks the requests in flight on ``view``'s replica hold once they reach their peak:
+    ``max(scraped usage * blocks + unseen, committed)``, every router's share included
+    (``view.kv_cache_usage`` is the scraped usage here, not a projection)."""
+    rid, peer = view.replica_id, ledger.peer(view.replica_id)
+    return max(view.kv_cache_usage * view.num_gpu_blocks + ledger.unseen(rid) + peer.unseen,
+               ledger.committed(rid) + peer.committed)
 
 
 class AdmissionState:

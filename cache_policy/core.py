@@ -33,8 +33,9 @@ from cache_policy.admission import blocks_needed
 from cache_policy.affinity import PrefixAffinityPolicy
 from cache_policy.prefix_index import PrefixIndex
 from cache_policy.admission_queue import AdmissionRequest
-from cache_policy.admission_state import Admission, AdmissionState, project
+from cache_policy.admission_state import Admission, AdmissionState, project, running_blocks
 from cache_policy.config import PolicyConfig
+from cache_policy.free_queue import FreeQueueModel
 from cache_policy.hashing import block_hashes
 from cache_policy.ledger import NO_PEER
 from cache_policy.policy import make_policy
@@ -155,6 +156,8 @@ class DecisionCore:
         self.policy = make_policy(policy, cfg, random.Random(seed), pins=self.registry)
         self.admission = AdmissionState(cfg, self.registry, enabled=admission)
         self.versions = VersionBook(weight_update_policy, initial_version)
+        self.free_queue = FreeQueueModel()
+        """Which cached blocks survive until a request is scheduled (the expected-cached count)."""
         self.replicas: dict[ReplicaId, ReplicaRecord] = {}
         self._jobs: dict[str, Job] = {}
         self._outbox: list[tuple[Job, Admission]] = []
@@ -183,6 +186,7 @@ class DecisionCore:
         self.registry.drop_replica(rid)
         self.versions.forget_replica(rid)
         self.admission.ledger.forget_replica(rid)
+        self.free_queue.remove_replica(rid)
         self.policy.on_replicas_changed(list(self.replicas))
 
     def restarted(self, rid: ReplicaId, *, num_gpu_blocks: int = 0, scoring_cap: bool = False,
@@ -191,6 +195,7 @@ class DecisionCore:
         rec = self.replicas[rid]
         rec.num_gpu_blocks, rec.scoring_cap, rec.load = num_gpu_blocks, scoring_cap, ReplicaLoad()
         self.policy.on_cache_reset(rid)
+        self.free_queue.reset(rid)
         self.registry.drop_replica(rid)
         if version is not None:
             self.versions.set_loaded(rid, version)
@@ -218,6 +223,7 @@ class DecisionCore:
         """``rid``'s prefix cache was emptied (a confirmed reset): predict no hits there; its
         cache now holds KV of its loaded version only."""
         self.policy.on_cache_reset(rid)
+        self.free_queue.reset(rid)
         self.versions.cache_reset(rid)
 
     def version_loaded(self, rid: ReplicaId, version: int | None) -> None:
@@ -361,9 +367,7 @@ class DecisionCore:
         job.undo_pins = self._pins_before(job)
         self.policy.on_routed(job.view, decision)
         rid = decision.replica_id
-        full = max(0, (job.view.num_prompt_tokens - 1) // self.block_size)  # vLLM recomputes the last token
-        job.decision = replace(decision, matched_blocks=min(decision.matched_blocks, full))
-        job.expected_cached_tokens = job.decision.matched_blocks * self.block_size
+        self._set_expected(job, decision, decision.matched_blocks)
         job.weight_version = self.versions.loaded.get(rid)
         job.version_mark = self.versions.mark(rid)
         return job.decision
@@ -373,7 +377,7 @@ class DecisionCore:
         is then finished: un-indexed and unpinned)."""
         assert job.decision is not None, "bug: admit() before place()"
         rid = job.decision.replica_id
-        total = blocks_needed(job.view.num_prompt_tokens + job.spec.new_tokens, 0, self.block_size)
+        total = self._footprint(job)
         request = self.admission.request(rid, total, job.decision.matched_blocks, job.spec.session_id,
                                          job.spec.group_id, job.spec.fan_out, now, str(job.id))
         self._expire(now)
@@ -381,7 +385,9 @@ class DecisionCore:
         for victim in displaced:
             self._refuse(self._jobs.pop(victim.request_id), "displaced", now)
         job.admission = adm
-        if adm.verdict == "queue":
+        if adm.verdict == "admit":
+            self.free_queue.hold(rid, job.view.block_hashes)
+        elif adm.verdict == "queue":
             job.queued = request
             self._jobs[str(job.id)] = job
         elif adm.verdict == "reject":
@@ -400,6 +406,7 @@ class DecisionCore:
             job = self._jobs.pop(request.request_id)
             job.queued, job.admission = None, adm
             self._refresh_expected(job, now)  # evictions seen while it waited (KV events) count
+            self.free_queue.hold(job.decision.replica_id, job.view.block_hashes)
             self._outbox.append((job, adm))
         out, self._outbox = self._outbox, []
         return out
@@ -420,6 +427,9 @@ class DecisionCore:
             self.policy.on_finished(job.view, rid)
             if job.ticket is not None:
                 self.admission.release(job.ticket, now, park=outcome == "ok")
+                capacity = self._raw_view(rid).num_gpu_blocks if rid in self.replicas else 0
+                self.free_queue.release(rid, job.view.block_hashes, self._footprint(job), capacity,
+                                        prefilled=outcome not in ("refused", "down", "unreachable"))
             if outcome in ("refused", "down", "unreachable") or (outcome == "cancelled" and job.ticket is None):
                 self._undo(job)
             self._count_failure(rid, outcome)
@@ -482,10 +492,25 @@ class DecisionCore:
         index = self.prefix_index()
         if index is None or job.decision is None:
             return
-        matched = index.match(job.view.block_hashes, now).get(job.decision.replica_id, 0)
-        full = max(0, (job.view.num_prompt_tokens - 1) // self.block_size)
-        job.decision = replace(job.decision, matched_blocks=min(matched, full))
-        job.expected_cached_tokens = job.decision.matched_blocks * self.block_size
+        self._set_expected(job, job.decision, index.match(job.view.block_hashes, now).get(job.decision.replica_id, 0))
+
+    def _set_expected(self, job: Job, decision: Decision, matched: int) -> None:
+        """Record ``decision`` with the blocks ``job`` should find cached: of the ``matched``
+        leading blocks the index holds on its replica, those vLLM will not recompute (the last
+        prompt token always is) and will not have evicted when ``job`` is scheduled
+        (:class:`~cache_policy.free_queue.FreeQueueModel`, if the replica's size is known)."""
+        rid = decision.replica_id
+        matched = min(matched, max(0, (job.view.num_prompt_tokens - 1) // self.block_size))
+        view = self._raw_view(rid)
+        if matched and view.num_gpu_blocks:
+            free_final = int(view.num_gpu_blocks - 1 - running_blocks(view, self.admission.ledger))  # - the null block
+            matched = self.free_queue.surviving(rid, job.view.block_hashes, matched, free_final)
+        job.decision = replace(decision, matched_blocks=matched)
+        job.expected_cached_tokens = matched * self.block_size
+
+    def _footprint(self, job: Job) -> int:
+        """Blocks ``job`` holds on its replica at its peak (prompt + every token it may generate)."""
+        return blocks_needed(job.view.num_prompt_tokens + job.spec.new_tokens, 0, self.block_size)
 
     def _count_failure(self, rid: ReplicaId, outcome: Outcome) -> None:
         """Consecutive dispatch failures of ``rid``: one bad connection is not a dead replica."""
@@ -539,6 +564,7 @@ class DecisionCore:
         self.admission.check_integrity()
         self.registry.check_integrity()
         self.policy.check_integrity()
+        self.free_queue.check_integrity()
         queued = {r.request_id for r in self.admission.queue.waiting()}
         if queued != set(self._jobs):
             raise RuntimeError(f"bug: queued requests {sorted(queued)} != queued jobs {sorted(self._jobs)}")
