@@ -130,6 +130,10 @@ class Job:
     queued: AdmissionRequest | None = None
     undo_pins: dict[str, ReplicaId | None] = field(default_factory=dict)
     done: bool = False
+    generated_tokens: int | None = None
+    """Tokens the engine generated for it, when the answer said (``usage.completion_tokens``,
+    a stream's relayed count); set by the caller before ``finish``. Unset, the core assumes
+    every token ``spec.new_tokens`` allowed (the free-queue model then errs low)."""
 
     @property
     def salt(self) -> str | None:
@@ -428,7 +432,9 @@ class DecisionCore:
             if job.ticket is not None:
                 self.admission.release(job.ticket, now, park=outcome == "ok")
                 capacity = self._raw_view(rid).num_gpu_blocks if rid in self.replicas else 0
-                self.free_queue.release(rid, job.view.block_hashes, self._footprint(job), capacity,
+                generated = job.spec.new_tokens if job.generated_tokens is None else job.generated_tokens
+                freed = blocks_needed(job.view.num_prompt_tokens + generated, 0, self.block_size)
+                self.free_queue.release(rid, job.view.block_hashes, freed, capacity,
                                         prefilled=outcome not in ("refused", "down", "unreachable"))
             if outcome in ("refused", "down", "unreachable") or (outcome == "cancelled" and job.ticket is None):
                 self._undo(job)

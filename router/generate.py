@@ -70,16 +70,26 @@ async def forward(client: web.Request, parsed: ParsedRequest, token_ids: list[in
                                  f"{resp.raw[:200].decode('utf-8', 'replace')}")
         if isinstance(resp, UpstreamResult):
             cached = _cached_tokens(resp.payload)
+            job.generated_tokens = _completion_tokens(resp.payload)
             resp = json_answer(resp, job, core, parsed.endpoint, expose_cached=expose, spans=flight.spans,
                                reruns=life.reruns.get(job.id, 0))
         else:
             cached = resp.get(CACHED_TOKENS)
+            job.generated_tokens = sum(flight.tokens.values())
         if resp.status == 200:  # prompts a replica refused were never prefilled
             metrics.count_prompt(job, len(token_ids) * samples, cached)
         return resp
 
     return await life.run(spec, attempt, status=lambda r: r.status, failed=lambda r: bool(r.get(FAILED)),
                           streaming=parsed.stream)
+
+
+def _completion_tokens(payload: Any) -> int | None:
+    """``usage.completion_tokens`` of a replica's answer (None if absent)."""
+    if not isinstance(payload, dict):
+        return None
+    n = (payload.get("usage") or {}).get("completion_tokens")
+    return n if isinstance(n, int) and n >= 0 else None
 
 
 def _cached_tokens(payload: Any) -> int | None:

@@ -42,6 +42,30 @@ def test_expected_cached_tokens_never_include_the_last_prompt_token():
     assert adm.ticket.blocks == 8
 
 
+def test_expected_cached_tokens_leave_out_what_the_work_since_could_have_evicted():
+    """A session's prefix is predicted while the blocks released after it fit in the free queue
+    the work in flight leaves (``cache_policy.free_queue``), counted from what was generated."""
+    def turn_after_other_work(generated: int | None) -> int:
+        core = DecisionCore(PolicyConfig(), admission=False)
+        core.add_replica(R[0], block_size=16, num_gpu_blocks=64)
+        prompt = list(range(2000, 2160))  # 10 blocks
+        first, _ = run(core, RequestSpec(prompt, session_id="s", new_tokens=16), 0.0)
+        first.generated_tokens = 16
+        core.finish(first, "ok", 0.0)
+        other, _ = run(core, RequestSpec(list(range(5000, 5160)), new_tokens=1000), 0.1)
+        other.generated_tokens = generated
+        core.finish(other, "ok", 0.1)
+        again, _ = run(core, RequestSpec(prompt + [7] * 16, session_id="s", new_tokens=16), 0.2)
+        core.check_integrity()
+        return again.expected_cached_tokens
+
+    # the other request generated 16 tokens: it released 11 blocks after the session's, whose
+    # prompt blocks then rank 12-21 from the free queue's tail, inside 63 free blocks: all hit
+    assert turn_after_other_work(16) == 160
+    # no count given: up to 1,000 tokens, 73 blocks released after the session's: past 63
+    assert turn_after_other_work(None) == 0
+
+
 def test_a_refused_request_is_unindexed_and_its_new_pin_undone():
     core = fleet()
     prompt = list(range(5000, 5320))
