@@ -433,8 +433,8 @@ class DecisionCore:
                 self.admission.release(job.ticket, now, park=outcome == "ok")
                 capacity = self._raw_view(rid).num_gpu_blocks if rid in self.replicas else 0
                 generated = job.spec.new_tokens if job.generated_tokens is None else job.generated_tokens
-                freed = blocks_needed(job.view.num_prompt_tokens + generated, 0, self.block_size)
-                self.free_queue.release(rid, job.view.block_hashes, freed, capacity,
+                full = (job.view.num_prompt_tokens + generated) // self.block_size  # a partial block goes to the head
+                self.free_queue.release(rid, job.view.block_hashes, full, capacity,
                                         prefilled=outcome not in ("refused", "down", "unreachable"))
             if outcome in ("refused", "down", "unreachable") or (outcome == "cancelled" and job.ticket is None):
                 self._undo(job)

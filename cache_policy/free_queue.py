@@ -12,8 +12,8 @@ evicting the cached block there. A request touches its own hits before it alloca
 The model, per replica, from the router's own requests alone (no I/O):
 
 * ``refs``: block hash -> requests in flight that hold it (never evicted while > 0);
-* ``freed``: a counter of blocks appended to the free queue (each finished request adds its
-  footprint: prompt + max tokens, an upper bound of what the engine frees);
+* ``freed``: a counter of blocks appended to the free queue's tail (each finished request adds
+  its full blocks: prompt + the tokens it generated, or its max tokens when unknown);
 * ``stamps``: per released block, the counter just before the blocks appended after it, so
   ``freed - stamp`` bounds from above how many free blocks are as new as it or newer (its
   rank from the tail). An output block has no hash here, but the next turn's prompt holds it
@@ -62,9 +62,9 @@ class FreeQueueModel:
 
     def release(self, rid: ReplicaId, hashes: Sequence[BlockHash], footprint_blocks: int, capacity_blocks: int,
                 *, prefilled: bool = True) -> None:
-        """The request holding ``hashes`` on ``rid`` ended. ``footprint_blocks``: every block it
-        may have had at its peak (prompt + max tokens); ``capacity_blocks``: the replica's KV
-        cache size. ``prefilled=False`` (refused, never reached the engine): the holds go,
+        """The request holding ``hashes`` on ``rid`` ended. ``footprint_blocks``: the full blocks
+        of its prompt and output (at most; a partial block goes to the queue's head, evicted
+        first, and does not count); ``capacity_blocks``: the replica's KV cache size. ``prefilled=False`` (refused, never reached the engine): the holds go,
         nothing was appended to the free queue."""
         q = self._replicas.get(rid)
         if q is None:

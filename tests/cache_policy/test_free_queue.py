@@ -79,7 +79,7 @@ def run(capacity: int, steps: list[tuple[str, int, int]]) -> tuple[int, int]:
         elif op == "end" and flights:
             f = flights.pop(a % len(flights))
             pool.free(reversed(f.blocks))
-            model.release(R, f.hashes, f.peak, capacity)
+            model.release(R, f.hashes, len(f.hashes) + f.out_blocks, capacity)  # full blocks only
             done = sum(1 for blk in f.blocks if pool.block_hash[blk] is not None)
             streams[f.session] = done  # the next turn reuses every full block of this one
         pool.check_integrity()
