@@ -123,6 +123,8 @@ class Job:
     view: RequestView
     decision: Decision | None = None
     expected_cached_tokens: int = 0
+    indexed_blocks: int = 0
+    """Leading blocks the prefix index held on its replica when it was placed (before its own)."""
     weight_version: int | None = None
     version_mark: int = 0
     tried: list[ReplicaId] = field(default_factory=list)
@@ -371,6 +373,7 @@ class DecisionCore:
         job.undo_pins = self._pins_before(job)
         self.policy.on_routed(job.view, decision)
         rid = decision.replica_id
+        job.indexed_blocks = decision.matched_blocks
         self._set_expected(job, decision, decision.matched_blocks)
         job.weight_version = self.versions.loaded.get(rid)
         job.version_mark = self.versions.mark(rid)
@@ -495,10 +498,13 @@ class DecisionCore:
         job.view = replace(job.view, block_hashes=tuple(block_hashes(job.spec.token_ids, self.block_size, new.salt)))
 
     def _refresh_expected(self, job: Job, now: float) -> None:
+        """Evictions seen while ``job`` waited count; its own predicted entries (inserted when it
+        was placed) do not: the index match is capped by the one at placement."""
         index = self.prefix_index()
         if index is None or job.decision is None:
             return
-        self._set_expected(job, job.decision, index.match(job.view.block_hashes, now).get(job.decision.replica_id, 0))
+        matched = index.match(job.view.block_hashes, now).get(job.decision.replica_id, 0)
+        self._set_expected(job, job.decision, min(matched, job.indexed_blocks))
 
     def _set_expected(self, job: Job, decision: Decision, matched: int) -> None:
         """Record ``decision`` with the blocks ``job`` should find cached: of the ``matched``

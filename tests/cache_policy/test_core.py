@@ -66,6 +66,26 @@ def test_expected_cached_tokens_leave_out_what_the_work_since_could_have_evicted
     assert turn_after_other_work(None) == 0
 
 
+def test_a_queued_turn_is_not_predicted_to_hit_its_own_blocks():
+    """A queued job's expectation is refreshed when it is admitted (evictions seen meanwhile);
+    the entries its own placement predicted are not a hit: 10 blocks of the last turn, not 12."""
+    core = DecisionCore(PolicyConfig())
+    core.add_replica(R[0], block_size=16, num_gpu_blocks=40)
+    prompt = list(range(3000, 3160))  # 10 blocks
+    first, _ = run(core, RequestSpec(prompt, session_id="s", new_tokens=16), 0.0)
+    first.generated_tokens = 16
+    core.finish(first, "ok", 0.0)
+    blocker, _ = run(core, RequestSpec(list(range(6000, 6064)), new_tokens=400), 0.1)  # 29 blocks at its peak
+    blocker.generated_tokens = 16
+    turn, adm = run(core, RequestSpec(prompt + list(range(9000, 9040)), session_id="s", new_tokens=16), 0.2)
+    assert adm.verdict == "queue" and turn.expected_cached_tokens == 160
+    core.finish(blocker, "ok", 0.3)
+    [(admitted, adm)] = core.pump(0.3)
+    assert admitted is turn and adm.verdict == "admit"
+    assert turn.expected_cached_tokens == 160  # 11 full blocks were cached (prompt + reply); 10 matched
+    core.check_integrity()
+
+
 def test_a_refused_request_is_unindexed_and_its_new_pin_undone():
     core = fleet()
     prompt = list(range(5000, 5320))
