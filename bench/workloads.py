@@ -21,11 +21,17 @@ class GrpoWorkload:
     ``concurrent_groups`` groups in flight at once (as a trainer sends a step's groups)."""
 
     num_prompts: int = 4
+    """GRPO groups (prompts) in the run."""
     prompt_tokens: int = 2000
+    """Tokens of each group's prompt (random token IDs)."""
     group_size: int = 16
+    """Samples per prompt, sent at once (the group's members)."""
     max_tokens: int = 8
+    """Tokens each sample generates."""
     concurrent_groups: int = 2
+    """Groups in flight at once."""
     seed: int = 0
+    """Seed of the prompts' tokens."""
 
 
 @dataclass(frozen=True)
@@ -33,11 +39,17 @@ class AgentWorkload:
     """Multi-turn sessions: ``num_sessions`` run concurrently, each ``turns`` turns long."""
 
     num_sessions: int = 4
+    """Agent sessions running at once."""
     turns: int = 6
+    """Turns per session; turn k+1's prompt is turn k's prompt + its reply + an observation."""
     first_prompt_tokens: int = 1000
+    """Tokens of each session's first prompt."""
     observation_tokens: int = 480
+    """Tokens of the tool observation appended after each reply."""
     reply_tokens: int = 32
+    """Tokens each turn generates."""
     seed: int = 1
+    """Seed of the sessions' tokens."""
 
 
 def random_tokens(rng: random.Random, n: int, vocab_size: int) -> list[int]:

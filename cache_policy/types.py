@@ -73,7 +73,7 @@ class RouteReason(str, enum.Enum):
     PREFIX = "prefix"  # longest cached prefix (from the prefix index)
     LOAD = "load"  # cache miss, least loaded
     BALANCE = "balance"  # balance guard overrode affinity
-    REPIN = "repin"  # pin moved: pinned replica unhealthy or far over load
+    REPIN = "repin"  # pin moved: pinned replica unhealthy, or staying cost more (move_rule)
     ROUND_ROBIN = "round_robin"
 
 
