@@ -31,7 +31,9 @@ class RayUsers:
     @staticmethod
     async def _init(ray, address: str | None) -> None:
         # A local raylet gets a fixed 30 s to register; on an overloaded machine it can miss it.
-        kwargs = {"include_dashboard": False} if address is None else {}
+        # a local instance is ours: its start-up chatter (thread-signal and token-auth warnings,
+        # "Started a local Ray instance") is not the user's business; errors still show
+        kwargs = {"include_dashboard": False, "logging_level": logging.ERROR} if address is None else {}
         for attempt in range(1, RAY_INIT_ATTEMPTS + 1):
             try:
                 await asyncio.to_thread(ray.init, address=address, ignore_reinit_error=True,
