@@ -72,6 +72,7 @@ async def forward(client: web.Request, parsed: ParsedRequest, token_ids: list[in
             cached = _cached_tokens(resp.payload)
             resp = json_answer(resp, job, core, parsed.endpoint, expose_cached=expose, spans=flight.spans,
                                reruns=life.reruns.get(job.id, 0))
+            flight.answering = True  # from here on the client has (part of) this answer
             await send_now(client, resp)  # before the lifecycle releases the job, not after
         else:
             cached = resp.get(CACHED_TOKENS)
