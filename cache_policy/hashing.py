@@ -64,12 +64,11 @@ def _hash_chain(
     ``salt`` (already encoded, or ``b""``) is appended to the first block of ``packed``.
     """
     stride = 4 * block_size
+    pack, digest = _PARENT.pack, xxhash.xxh3_64_intdigest  # locals: this loop runs per block of every request
     out: list[BlockHash] = []
     for start in range(0, len(packed) - stride + 1, stride):
-        extra = salt if start == 0 else b""
-        data = _PARENT.pack(parent) + packed[start : start + stride] + extra
-        parent = xxhash.xxh3_64_intdigest(data, seed=seed)
-        out.append(BlockHash(parent))
+        parent = digest(pack(parent) + packed[start : start + stride] + (salt if start == 0 else b""), seed)
+        out.append(parent)  # type: ignore[arg-type]  # BlockHash(parent) is parent, without a call
     return out
 
 

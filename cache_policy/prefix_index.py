@@ -100,15 +100,24 @@ class PrefixIndex:
         """
         stamp = self._clock(now)
         fed = replica in self._event_fed
-        for h in reversed(hashes):
-            holders = self._holders(h)
-            state = holders.get(replica, stamp)
-            if replica not in holders:
-                self._per_replica[replica] += 1
-            if state is not _CONFIRMED:
+        entries, pending, added = self._entries, self._pending, 0
+        for h in reversed(hashes):  # _holders inlined: this loop runs once per block of every request
+            holders = entries.get(h)
+            if holders is None:
+                entries[h] = {replica: stamp}
+                added += 1
+            else:
+                entries.move_to_end(h)
+                state = holders.get(replica, stamp)
+                if replica not in holders:
+                    added += 1
+                if state is _CONFIRMED:
+                    continue
                 holders[replica] = stamp
-                if fed:
-                    self._pending.append((stamp, h, replica))
+            if fed:
+                pending.append((stamp, h, replica))
+        if added:
+            self._per_replica[replica] += added
         self._evict()
         self._compact_pending()
 
@@ -238,12 +247,22 @@ class PrefixIndex:
             self._entries.move_to_end(h)
 
     def _evict(self) -> None:
-        while len(self._entries) > self.max_blocks:
-            _, holders = self._entries.popitem(last=False)
+        entries = self._entries
+        if len(entries) <= self.max_blocks:
+            return
+        held: Counter[ReplicaId] = Counter()
+        confirmed: Counter[ReplicaId] = Counter()
+        while len(entries) > self.max_blocks:
+            _, holders = entries.popitem(last=False)
             for r, state in holders.items():
+                held[r] += 1
                 if state is _CONFIRMED:
-                    self._uncount(self._confirmed, r)
-                self._uncount(self._per_replica, r)
+                    confirmed[r] += 1
+        for counter, gone in ((self._per_replica, held), (self._confirmed, confirmed)):
+            for r, n in gone.items():
+                counter[r] -= n
+                if counter[r] == 0:
+                    del counter[r]
 
     def _compact_pending(self) -> None:
         """Keep the expiry queue bounded: rebuild it from live predictions when it grows past

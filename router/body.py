@@ -2,18 +2,27 @@
 
 Everything a hostile client can put in JSON that would make the router's own code fail is a
 400 here, naming the field: invalid JSON or UTF-8, a non-object, ``NaN``/``Infinity`` (not JSON;
-vLLM refuses them), an integer past Python's 4,300-digit limit, nesting deeper than
+vLLM refuses them) and numbers past a float's range (``1e400``, which ``json`` reads as
+``inf``), an integer past Python's 4,300-digit limit, nesting deeper than
 :data:`MAX_JSON_DEPTH` (``json.loads`` hits ``RecursionError`` near 1,000 levels and
 re-encoding the body for the replica near the same depth), and strings holding a lone UTF-16
 surrogate such as ``"\\ud800"`` (valid JSON, but no tokenizer or UTF-8 encoder accepts it).
+
+Bodies are decoded by ``msgspec`` (about 3x faster than ``json`` on a token-ID prompt); whatever
+it refuses (``NaN``, a UTF-8 BOM, an out-of-range number, too deep, a lone surrogate, malformed
+JSON) is decoded again by ``json``, whose verdict and message stand. Where msgspec accepts a
+body, ``json.loads`` gives the same object.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
-from router.errors import BadRequest
+import msgspec
+
+from router.errors import BadRequest, echo
 
 MAX_JSON_DEPTH = 32
 """Deepest nesting of objects and lists a body may have (an OpenAI chat body needs about 6)."""
@@ -24,14 +33,19 @@ def _refuse_constant(name: str) -> Any:
     raise BadRequest(f"request body holds {name}, which is not JSON; send a number", param="body")
 
 
+def _finite_float(text: str) -> float:
+    """A JSON number past a float's range (``1e400``) is refused as ``NaN`` is: the router never
+    holds a non-finite float, so any JSON encoder writes the body back the same."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise BadRequest(f"request body holds the number {echo(text)}, past a float's range; send a smaller one",
+                         param="body")
+    return value
+
+
 def load_json_object(raw: bytes) -> dict[str, Any]:
     """Decode a JSON object body; BadRequest (``param`` names the body or the field) otherwise."""
-    try:
-        body = json.loads(raw or b"null", parse_constant=_refuse_constant)
-    except RecursionError:
-        raise BadRequest(f"request body nests deeper than {MAX_JSON_DEPTH} levels", param="body") from None
-    except (UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError, or an over-long integer
-        raise BadRequest(f"request body is not valid JSON: {exc}", param="body") from None
+    body = _decode(raw)
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object", param="body")
     if _may_be_unsafe(raw):
@@ -39,11 +53,43 @@ def load_json_object(raw: bytes) -> dict[str, Any]:
     return body
 
 
+_FAST = msgspec.json.Decoder()
+
+
+def _decode(raw: bytes) -> Any:
+    """``raw`` decoded: by msgspec, else by ``json`` (BadRequest with its message when it refuses)."""
+    try:
+        return _FAST.decode(raw)
+    except (msgspec.DecodeError, RecursionError):
+        pass
+    try:
+        return json.loads(raw or b"null", parse_constant=_refuse_constant, parse_float=_finite_float)
+    except RecursionError:
+        raise BadRequest(f"request body nests deeper than {MAX_JSON_DEPTH} levels", param="body") from None
+    except (UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError, or an over-long integer
+        raise BadRequest(f"request body is not valid JSON: {exc}", param="body") from None
+
+
 def _may_be_unsafe(raw: bytes) -> bool:
-    """Cheap screen on the raw bytes: could the body nest too deep or hold an escaped surrogate?"""
-    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH:
+    """Cheap screen on the raw bytes: could the body nest too deep or hold an escaped surrogate?
+    (``find`` runs at memchr speed; ``count`` and two-byte searches cost tens of microseconds
+    on a 4,000-token prompt.)"""
+    if _occurs_over(raw, (b"[", b"{"), MAX_JSON_DEPTH):
         return True
-    return b"\\u" in raw or b"\\U" in raw
+    return b"\\" in raw and (b"\\u" in raw or b"\\U" in raw)
+
+
+def _occurs_over(raw: bytes, chars: tuple[bytes, ...], limit: int) -> bool:
+    """Whether ``chars`` occur more than ``limit`` times in ``raw`` together (at most ``limit + 1`` finds)."""
+    seen = 0
+    for ch in chars:
+        at = raw.find(ch)
+        while at >= 0:
+            seen += 1
+            if seen > limit:
+                return True
+            at = raw.find(ch, at + 1)
+    return False
 
 
 def is_utf8(text: str) -> bool:

@@ -16,6 +16,7 @@ import signal
 import socket
 import sys
 import typing
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -177,6 +178,15 @@ class _Signals:
         (self.second if self.first.is_set() else self.first).set()
 
 
+def _loop_factory(kind: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """The event-loop factory for ``router.event_loop`` (None: asyncio's default)."""
+    if kind == "uvloop":
+        import uvloop
+
+        return uvloop.new_event_loop
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "status":  # the routers sharing one Redis (router.state.status)
@@ -193,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         if args.command == "serve":
-            asyncio.run(_serve(cfg))
+            with asyncio.Runner(loop_factory=_loop_factory(cfg.router.event_loop)) as runner:
+                runner.run(_serve(cfg))
     except KeyboardInterrupt:
         return 130
     except StartupError as exc:  # replicas unusable as found (unreachable, block sizes differ, no tokenizer)

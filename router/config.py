@@ -34,6 +34,8 @@ STATE_KINDS: tuple[str, ...] = get_args(StateKind)
 UpdateMode = Literal["rolling", "all"]
 """How ``POST /admin/weights`` walks the replicas (``router.admin``)."""
 UPDATE_MODES: tuple[str, ...] = get_args(UpdateMode)
+EventLoop = Literal["uvloop", "asyncio"]
+"""The event loop ``rollout-router serve`` runs on (``router.cli``)."""
 SECTIONS = {"router": "router", "replicas": "ReplicaSetConfig", "policy": "PolicyConfig"}
 """YAML section -> the owner name its config errors start with."""
 _STRICT = ConfigDict(extra="forbid", use_attribute_docstrings=True)
@@ -131,6 +133,9 @@ class RouterConfig:
     """Largest request body, in bytes (413 past it, before it is read)."""
     max_header_bytes: int = 8190
     """Longest request line and longest single header, in bytes (aiohttp's limit; 400 past it)."""
+    event_loop: EventLoop = "uvloop"
+    """Event loop of ``rollout-router serve``: uvloop (libuv; less time per request in the loop
+    and its sockets) or asyncio (the standard library's)."""
     header_timeout_s: float = 15.0
     """Seconds a connection may stay idle or take to send a request's headers before it is closed."""
     body_timeout_s: float = 30.0

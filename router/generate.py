@@ -17,7 +17,7 @@ from router import keys
 from router.lifecycle import RetryElsewhere
 from router.parse import ParsedRequest
 from router.proxy import CACHED_TOKENS, FAILED, UpstreamResult, post_json, relay_stream
-from router.responses import annotation, json_answer, route_headers
+from router.responses import annotation, json_answer, route_headers, send_now
 from router.weights.report import StreamWatch
 
 UPSTREAM_PATH = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
@@ -73,6 +73,8 @@ async def forward(client: web.Request, parsed: ParsedRequest, token_ids: list[in
             job.generated_tokens = _completion_tokens(resp.payload)
             resp = json_answer(resp, job, core, parsed.endpoint, expose_cached=expose, spans=flight.spans,
                                reruns=life.reruns.get(job.id, 0))
+            flight.answering = True  # from here on the client has (part of) this answer
+            await send_now(client, resp)  # before the lifecycle releases the job, not after
         else:
             cached = resp.get(CACHED_TOKENS)
             job.generated_tokens = sum(flight.tokens.values())

@@ -77,6 +77,9 @@ class Flight:
     streaming: bool
     task: asyncio.Task | None = None
     preempted: str | None = None
+    answering: bool = False
+    """Its whole answer is being written to the client (``router.responses.send_now``): a weight
+    update leaves it alone, as it leaves a stream (preempting it now would answer twice)."""
     tokens: dict[int, int] = field(default_factory=dict)
     spans: list[dict[str, Any]] = field(default_factory=list)
 
@@ -184,7 +187,7 @@ class Lifecycle:
         """Take back every non-streaming attempt on ``rid`` (they run again whole); the count."""
         n = 0
         for flight in list(self.flights.get(rid, {}).values()):
-            if not flight.streaming and flight.task is not None and not flight.task.done():
+            if not (flight.streaming or flight.answering) and flight.task is not None and not flight.task.done():
                 flight.preempted = reason
                 flight.task.cancel()
                 n += 1

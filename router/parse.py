@@ -17,6 +17,7 @@ from typing import Any, Literal, Mapping
 from router.body import is_utf8, load_json_object
 from router.errors import BadRequest, echo
 from router.schemas import MAX_TOP_LOGPROBS, ChatRequest, CompletionRequest, ScoreBody, validate_body
+from router.token_ids import all_ints, min_max
 
 Endpoint = Literal["completions", "chat"]
 ROUTING_FIELDS = ("session_id", "group_id", "weight_version")
@@ -144,7 +145,7 @@ _routing_keys = routing_keys  # the name router.score imported
 
 
 def _is_token_ids(value: Any) -> bool:
-    return isinstance(value, list) and all(type(t) is int for t in value)
+    return isinstance(value, list) and all_ints(value)
 
 
 def _validate_prompt(prompt: Any, limits: Limits) -> str | list[int]:
@@ -178,7 +179,7 @@ def check_token_ids(ids: list[int], param: str, limits: Limits) -> None:
     if len(ids) > limits.max_model_len:
         raise BadRequest(f"'{param}' has {len(ids)} tokens; the model takes at most {limits.max_model_len}",
                          param=param)
-    if min(ids) < 0:
+    if min_max(ids)[0] < 0:
         raise BadRequest(f"'{param}' token IDs must be >= 0", param=param)
 
 
@@ -234,7 +235,8 @@ def parse_completion(body: dict[str, Any], headers: Mapping[str, str], *, limits
     limits = limits or default_limits()
     keys, stream = routing_keys(body, headers, limits, tenant), _validate_common(body, limits)
     prompt = _validate_prompt(body.get("prompt"), limits)
-    validate_body(CompletionRequest, body)
+    # every prompt _validate_prompt passes, the model passes too: it need not walk the token IDs again
+    validate_body(CompletionRequest, {**body, "prompt": []} if isinstance(prompt, list) else body)
     return ParsedRequest("completions", body, keys, stream, prompt=prompt)
 
 

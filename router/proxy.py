@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+import msgspec
 from aiohttp import web
 
 from router.errors import UpstreamError
@@ -44,13 +45,25 @@ _STALE = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
 more on a fresh connection to the same replica before the replica counts as failing."""
 
 
+_JSON = {"Content-Type": "application/json"}
+_ENCODE = msgspec.json.Encoder().encode
+
+
+def encode_body(body: dict[str, Any]) -> bytes:
+    """``body`` as compact UTF-8 JSON (msgspec: a 4,000-token prompt in tens of microseconds,
+    ``json.dumps`` takes hundreds). Bodies hold only what JSON decoding gave (``router.body``
+    refuses non-finite numbers and lone surrogates) plus strings and ints the router sets."""
+    return _ENCODE(body)
+
+
 async def _send(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> aiohttp.ClientResponse:
     """POST ``body``, once more on a fresh connection if the first one was stale.
 
     Raises ReplicaUnreachable (``refused`` when nobody listens)."""
+    data = encode_body(body)  # once, whatever the attempts
     for attempt in (1, 2):
         try:
-            return await http.post(url, json=body)
+            return await http.post(url, data=data, headers=_JSON)
         except aiohttp.ClientConnectorError as exc:
             raise ReplicaUnreachable(f"{url}: {exc!r}", refused=True) from exc
         except _STALE as exc:

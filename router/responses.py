@@ -9,6 +9,7 @@ salted), ``spans`` where a stream changed version (``router.weights.report``).
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 from aiohttp import web
@@ -17,6 +18,8 @@ from cache_policy.core import DecisionCore, Job
 from router.errors import with_router_param
 from router.proxy import UpstreamResult
 from router.weights.report import version_note
+
+log = logging.getLogger(__name__)
 
 
 def route_headers(job: Job, *, expose_cached: bool = True) -> dict[str, str]:
@@ -65,3 +68,15 @@ def json_answer(result: UpstreamResult, job: Job, core: DecisionCore, endpoint: 
         return web.Response(text=json.dumps(with_router_param(payload, endpoint)), status=result.status,
                             content_type="application/json", headers=headers)
     return web.Response(body=result.raw, status=result.status, content_type="application/json", headers=headers)
+
+
+async def send_now(client: web.Request, resp: web.Response) -> None:
+    """Write the whole of ``resp`` to ``client`` now, so the client has its answer while the
+    router still releases the job, counts and pumps the queue (aiohttp's own send after the
+    handler returns is then a no-op). A client already gone is no error of the replica's:
+    logged, and the handler returns as if it had been sent."""
+    try:
+        await resp.prepare(client)
+        await resp.write_eof()
+    except ConnectionResetError:
+        log.info("client left %s before its answer was written", client.path)

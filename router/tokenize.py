@@ -17,6 +17,7 @@ import threading
 from typing import Any, Mapping
 
 from router.errors import BadRequest, echo
+from router.token_ids import min_max
 
 
 def _flatten_content(content: Any) -> str:
@@ -99,13 +100,14 @@ class PromptTokenizer:
     def check_ids(self, token_ids: list[int], param: str) -> None:
         """BadRequest naming ``param`` when a token ID is outside ``[0, vocab_size)``.
 
-        ``token_ids`` must already hold only ints (``router.parse`` checks): two C-speed passes
-        (min, max); the offending ID is looked for only when one is out of range. Without a
-        tokenizer nothing is checked here."""
+        ``token_ids`` must already hold only ints (``router.parse`` checks): C-speed bounds
+        (``router.token_ids.min_max``); the offending ID is looked for only when one is out of
+        range. Without a tokenizer nothing is checked here."""
         vocab = self.vocab_size
         if vocab is None:  # no tokenizer: the replica checks (its 400 is passed on, naming ``param``)
             return
-        if token_ids and (min(token_ids) < 0 or max(token_ids) >= vocab):
+        lo, hi = min_max(token_ids) if token_ids else (0, 0)
+        if lo < 0 or hi >= vocab:
             bad = next(t for t in token_ids if not 0 <= t < vocab)
             raise BadRequest(f"'{param}' holds token ID {echo(bad)}, outside the model's vocabulary "
                              f"[0, {vocab})", param=param)

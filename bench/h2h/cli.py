@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -94,6 +95,25 @@ def summarize(run: dict, stats: list[dict]) -> dict:
             "replica_requests": reqs, "replica_prefilled": pres}
 
 
+async def run_workloads(args: argparse.Namespace, specs: list, workloads: list[str], result: dict,
+                        tokenizer: str, logs: Path, on_run: Callable[[str], None], tick: Callable[[], None]) -> None:
+    """Every router of ``specs`` on every workload, on ``args.replicas`` simulated replicas; rows
+    into ``result["workloads"]``. ``on_run(description)`` before each run, ``tick`` per request."""
+    cfg = workload_config(args)
+    rust_venv = Path(args.rust_venv).resolve()
+    async with replica_process(args.replicas, result["num_blocks"], args.block_size, "fast", tokenizer,
+                               logs / "replicas.log") as urls:
+        for spec in specs:
+            for w in workloads:
+                on_run(f"{w:5s} {spec.name}")
+                await replica_stats(urls, reset=True)
+                async with RunningRouter(spec, urls, rust_venv, logs) as router:
+                    run = await run_workload(spec, router.url, cfg, WORKLOADS[w], args.replicas, args.budget,
+                                             args.seed, args.block_size, args.timeout_s, tick)
+                await asyncio.sleep(0.2)
+                result["workloads"].setdefault(w, {})[spec.name] = summarize(run, await replica_stats(urls))
+
+
 async def main(args: argparse.Namespace) -> dict:
     from replicas.tiny_model.generate import ensure_tiny_model
 
@@ -104,23 +124,16 @@ async def main(args: argparse.Namespace) -> dict:
     tokenizer = str(await asyncio.to_thread(ensure_tiny_model))
     specs = [s for s in ALL if not args.routers or any(r in s.name for r in args.routers)]
     rust_venv = Path(args.rust_venv).resolve()
-    cfg = workload_config(args)
-    blocks = num_blocks(args, cfg)
-    result = {"args": vars(args), "num_blocks": blocks, "workloads": {}, "latency": {}}
-    total = len(specs) * (len(args.workloads) * args.budget + args.latency_n)
+    result = {"args": vars(args), "num_blocks": num_blocks(args, workload_config(args)), "workloads": {},
+              "latency": {}}
+    workloads = [] if args.latency_only else args.workloads
+    total = len(specs) * (len(workloads) * args.budget + args.latency_n)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()) as bar:
         task = bar.add_task("h2h", total=total)
         tick = lambda: bar.advance(task)  # noqa: E731
-        async with replica_process(args.replicas, blocks, args.block_size, "fast", tokenizer, logs / "replicas.log") as urls:
-            for spec in specs:
-                for w in args.workloads:
-                    bar.update(task, description=f"{w:5s} {spec.name}")
-                    await replica_stats(urls, reset=True)
-                    async with RunningRouter(spec, urls, rust_venv, logs) as router:
-                        run = await run_workload(spec, router.url, cfg, WORKLOADS[w], args.replicas, args.budget,
-                                                 args.seed, args.block_size, args.timeout_s, tick)
-                    await asyncio.sleep(0.2)
-                    result["workloads"].setdefault(w, {})[spec.name] = summarize(run, await replica_stats(urls))
+        if workloads:
+            on_run = lambda d: bar.update(task, description=d)  # noqa: E731
+            await run_workloads(args, specs, workloads, result, tokenizer, logs, on_run, tick)
         if args.latency_n:
             async with replica_process(1, 4096, args.block_size, "zero", tokenizer, logs / "replica-zero.log") as zurls:
                 for spec in specs:
@@ -151,6 +164,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--budget", type=int, default=1024, help="requests per workload run")
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     p.add_argument("--routers", nargs="*", default=[], help="substrings of router names to run (default: all)")
+    p.add_argument("--latency-only", action="store_true",
+                   help="only the router-added latency run (no workloads, no simulated fleet)")
     p.add_argument("--latency-n", type=int, default=2000, help="sequential requests of the latency run (0: skip)")
     p.add_argument("--latency-tokens", type=int, default=4000)
     p.add_argument("--profile", action="store_true", help="py-spy our router during the latency run")
