@@ -102,7 +102,7 @@ class AdmissionQueueStore:
         gone = {id(r): r for r in reqs}
         if not gone:
             return
-        present = [r for r in self.in_order() if id(r) in gone]
+        present = [r for r in self._all() if id(r) in gone]
         for r in present:
             self._requests[r.replica_id] -= r.requests
             if not self._requests[r.replica_id]:
@@ -122,9 +122,12 @@ class AdmissionQueueStore:
     def has_waiting(self, replica_id: str, priority: Priority) -> bool:
         """Whether a request of equal or higher priority waits for ``replica_id``."""
         rank = _RANK[priority]
-        return any(
-            r.replica_id == replica_id and _RANK[r.priority] <= rank for r in self.in_order()
-        )
+        classes = (chain.from_iterable(self._sessions.values()), self._group, self._new)[: rank + 1]
+        return any(r.replica_id == replica_id for r in chain.from_iterable(classes))
+
+    def _all(self) -> Iterable[AdmissionRequest]:
+        """Every queued request, in no particular order (cheaper than :meth:`in_order`)."""
+        return chain(chain.from_iterable(self._sessions.values()), self._group, self._new)
 
     def displaceable(self, priority: Priority) -> AdmissionRequest | None:
         """The newest request of the lowest class strictly below ``priority``, if any."""
