@@ -124,6 +124,11 @@ class AdmissionQueue:
     def __len__(self) -> int:
         return len(self._store)
 
+    @property
+    def requests_by_replica(self) -> Mapping[ReplicaId, int]:
+        """Engine requests queued per replica (a fan-out counts K; read-only)."""
+        return self._store.requests_by_replica
+
     def waiting(self) -> list[AdmissionRequest]:
         """Queued requests, in service order."""
         return self._store.in_order()

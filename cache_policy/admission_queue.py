@@ -12,7 +12,7 @@ still two requests).
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import chain, zip_longest
@@ -61,19 +61,28 @@ class AdmissionQueueStore:
 
     Invariants: no session list is empty; every request in ``_sessions[s]`` is a
     continuing-session request of session ``s``; ``_group`` holds only group members and
-    ``_new`` only new requests, each in arrival order.
+    ``_new`` only new requests, each in arrival order; ``_requests[r]`` is the sum of
+    ``requests`` over the queued requests for replica ``r`` (kept incrementally: placement
+    reads it on every decision).
     """
 
     def __init__(self) -> None:
         self._sessions: OrderedDict[str, list[AdmissionRequest]] = OrderedDict()
         self._group: list[AdmissionRequest] = []
         self._new: list[AdmissionRequest] = []
+        self._requests: Counter[str] = Counter()
+
+    @property
+    def requests_by_replica(self) -> Counter[str]:
+        """Engine requests queued per replica (a fan-out counts K; read-only)."""
+        return self._requests
 
     def __len__(self) -> int:
         return sum(map(len, self._sessions.values())) + len(self._group) + len(self._new)
 
     def push(self, req: AdmissionRequest) -> None:
         """Queue ``req`` at the back of its class (its session's list for sessions)."""
+        self._requests[req.replica_id] += req.requests
         if req.priority == "continuing_session":
             assert req.session_id is not None, "bug: continuing request without session"
             self._sessions.setdefault(req.session_id, []).append(req)
@@ -90,9 +99,14 @@ class AdmissionQueueStore:
 
     def remove(self, reqs: Iterable[AdmissionRequest], *, served: bool = False) -> None:
         """Remove ``reqs`` (by identity); ``served`` rotates their sessions to the back."""
-        gone = {id(r) for r in reqs}
+        gone = {id(r): r for r in reqs}
         if not gone:
             return
+        present = [r for r in self._all() if id(r) in gone]
+        for r in present:
+            self._requests[r.replica_id] -= r.requests
+            if not self._requests[r.replica_id]:
+                del self._requests[r.replica_id]
         touched = [s for s, q in self._sessions.items() if any(id(r) in gone for r in q)]
         for sid in touched:
             rest = [r for r in self._sessions[sid] if id(r) not in gone]
@@ -108,9 +122,12 @@ class AdmissionQueueStore:
     def has_waiting(self, replica_id: str, priority: Priority) -> bool:
         """Whether a request of equal or higher priority waits for ``replica_id``."""
         rank = _RANK[priority]
-        return any(
-            r.replica_id == replica_id and _RANK[r.priority] <= rank for r in self.in_order()
-        )
+        classes = (chain.from_iterable(self._sessions.values()), self._group, self._new)[: rank + 1]
+        return any(r.replica_id == replica_id for r in chain.from_iterable(classes))
+
+    def _all(self) -> Iterable[AdmissionRequest]:
+        """Every queued request, in no particular order (cheaper than :meth:`in_order`)."""
+        return chain(chain.from_iterable(self._sessions.values()), self._group, self._new)
 
     def displaceable(self, priority: Priority) -> AdmissionRequest | None:
         """The newest request of the lowest class strictly below ``priority``, if any."""
@@ -133,3 +150,8 @@ class AdmissionQueueStore:
             raise RuntimeError("bug: non-group request in the group queue")
         if any(r.priority != "new" for r in self._new):
             raise RuntimeError("bug: non-new request in the new queue")
+        counts: Counter[str] = Counter()
+        for r in self.in_order():
+            counts[r.replica_id] += r.requests
+        if +counts != +self._requests:
+            raise RuntimeError(f"bug: queued requests per replica {dict(self._requests)} != {dict(counts)}")

@@ -596,17 +596,19 @@ class DecisionCore:
         (the candidate scan: about 1 us per replica, ``bench.decision_cost``)."""
         ledger, loaded, views, replicas = self.admission.ledger, self.versions.loaded, self._views, self.replicas
         counts, peers = ledger.requests_by_replica, ledger.peers
+        queued = self.admission.queue.requests_by_replica
         out = []
         for rid in rids:
             rec, peer, version = replicas[rid], peers.get(rid, NO_PEER), loaded.get(rid)
-            stamp = (counts.get(rid, 0), peer, rec.load, rec.healthy, rec.num_gpu_blocks, rec.scoring_cap, version)
+            stamp = (counts.get(rid, 0), peer, rec.load, rec.healthy, rec.num_gpu_blocks, rec.scoring_cap, version,
+                     queued.get(rid, 0))
             cached = views.get(rid)
             if cached is None or cached[0] != stamp:
                 load = rec.load
                 cached = views[rid] = (stamp, ReplicaView(
                     rid, rec.healthy, stamp[0] + peer.requests, load.kv_cache_usage, load.num_running,
                     load.num_waiting, load.num_gpu_blocks or rec.num_gpu_blocks, rec.block_size, rec.scoring_cap,
-                    version))
+                    version, stamp[7]))
             out.append(cached[1])
         return out
 

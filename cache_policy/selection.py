@@ -22,9 +22,14 @@ def healthy(replicas: Sequence[ReplicaView]) -> list[ReplicaView]:
 
 
 def load(replica: ReplicaView) -> int:
-    """Load of one replica, in requests: the router's in-flight count plus the replica's
-    own waiting queue (``vllm:num_requests_waiting``, which also sees other clients)."""
-    return replica.in_flight + replica.num_waiting
+    """Load of one replica, in requests: the router's in-flight count, the requests this
+    router holds in its admission queue for it, and the replica's own waiting queue
+    (``vllm:num_requests_waiting``, which also sees other clients).
+
+    The admission queue counts (issue 15): without it a replica whose work waits in the
+    router looks idle, and new keys pile onto it (at 64 replicas, ws/kv = 2: 4 replicas got
+    3-6x the mean prefill)."""
+    return replica.in_flight + replica.queued + replica.num_waiting
 
 
 def pick_min(

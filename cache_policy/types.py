@@ -63,6 +63,9 @@ class ReplicaView:
     block_size: int = 32
     scoring_cap: bool = False
     weight_version: int | None = None
+    queued: int = 0
+    """Engine requests placed on the replica that wait in this router's admission queue (a
+    fan-out counts K): work committed to it that neither ``in_flight`` nor ``num_waiting`` shows."""
 
 
 class RouteReason(str, enum.Enum):

@@ -12,7 +12,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from bench.sim.fleet import FleetConfig
 from bench.sim.report import plot, render, write_json
-from bench.sim.runs import KINDS, ROUTERS, engine_config, execute, make_runs
+from bench.sim.runs import DEFAULT_POLICIES, KINDS, ROUTERS, engine_config, execute, make_runs
 from bench.sim.workloads import WorkloadConfig
 
 
@@ -65,11 +65,13 @@ def parser() -> argparse.ArgumentParser:
     w = WorkloadConfig()
     p.add_argument("--replicas", type=_ints, default=[4], help="fleet sizes, e.g. 4,64,1024")
     p.add_argument("--workloads", type=_names(list(KINDS)), default=["mixed"], help=f"any of {','.join(KINDS)}")
-    p.add_argument("--policies", type=_names(list(ROUTERS)), default=list(ROUTERS), help="routers to compare")
+    p.add_argument("--policies", type=_names(list(ROUTERS)), default=DEFAULT_POLICIES,
+                   help="routers to compare (ours_no_admission: ours with admission off, placement alone)")
     p.add_argument("--requests", type=int, default=20_000, help="engine requests per run (a fan-out counts K)")
     p.add_argument("--ws-over-kv", type=_floats, default=[2.0],
                    help="live working set / fleet KV capacity (2 = caches hold half of it), e.g. 0.5,1,2; a replica "
-                        "never gets less than two of the largest requests, so the table shows the ratio as sized")
+                        "never gets less than two of the largest requests, so the table shows the ratio as sized "
+                        "(a note follows the table when that floor, not the ratio, sized the caches)")
     p.add_argument("--update-every", type=int, default=4, help="trainer steps between weight updates (0: none)")
     p.add_argument("--weight-policy", default="keep+salt", choices=["flush", "keep", "salt", "keep+salt"],
                    help="version policy of the mixed workload (updates runs all four)")
@@ -114,6 +116,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
             series.append({"label": run.label, "t": t, "hit_rate": hr, "updates": [u[0] for u in fleet.rec.updates]})
             spread.append({"label": run.label, "prefilled": [v["prefilled"] for v in fleet.rec.engines.values()]})
     render(rows, console)
+    for row in rows:
+        if abs(row["ws_over_kv_actual"] / row["ws_over_kv"] - 1) > 0.1:
+            console.print(f"note: N={row['scale']} {row['workload']} asked ws/kv={row['ws_over_kv']:g} but ran at "
+                          f"{row['ws_over_kv_actual']:.2f}: the per-replica floor (two of the largest requests) sized "
+                          "the caches; raise the in-flight counts per replica to run at the ratio asked")
     out = args.out
     write_json(rows, series, spread, {k: str(v) for k, v in vars(args).items()} | {"workload": asdict(w)},
                out / "sim.json")

@@ -26,15 +26,22 @@ KINDS = {"grpo": {"grpo"}, "agent": {"agent"}, "opd": {"opd"}, "updates": {"grpo
 WEIGHT_POLICIES = ("flush", "keep", "salt", "keep+salt")
 
 
-def _ours(weight_policy: str):
+def _ours(weight_policy: str, admission: bool = True):
     from bench.sim.ours import Ours  # the core is imported only when ours runs
-    return Ours(weight_policy)
+    router = Ours(weight_policy, admission=admission)
+    if not admission:
+        router.name = "ours_no_admission"
+    return router
 
 
 ROUTERS: dict[str, Callable[[str], object]] = {
     "ours": _ours, "round_robin": RoundRobin, "least_loaded": LeastLoaded,
     "consistent_hash": ConsistentHash, "sticky_least_loaded": StickyLeastLoaded, "cache_aware": CacheAware,
+    "ours_no_admission": lambda weight_policy: _ours(weight_policy, admission=False),
 }
+DEFAULT_POLICIES = [p for p in ROUTERS if p != "ours_no_admission"]
+"""Run by default; ``ours_no_admission`` (the same core, every request admitted at once:
+placement alone, as the baselines dispatch) is asked for with ``--policies``."""
 
 
 @dataclass(frozen=True)

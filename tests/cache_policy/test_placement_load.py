@@ -1,0 +1,42 @@
+"""Issue 15: placement's load counts the requests the router holds in its admission queue."""
+
+from __future__ import annotations
+
+import random
+
+from cache_policy.config import PolicyConfig
+from cache_policy.core import DecisionCore, RequestSpec
+from cache_policy.selection import load
+from cache_policy.types import ReplicaId, ReplicaView
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(30_000) for _ in range(n)]
+
+
+def test_load_counts_requests_queued_in_the_router() -> None:
+    view = ReplicaView(ReplicaId("a"), in_flight=2, num_waiting=1, queued=5)
+    assert load(view) == 8
+
+
+def test_a_replica_whose_work_waits_in_admission_gets_no_new_key() -> None:
+    """Before: queued work was invisible to placement, so the replica with the longest queue
+    looked idle and drew the next new keys (at 64 replicas, 4 replicas got 3-6x the mean)."""
+    core = DecisionCore(PolicyConfig(balance_abs_threshold=0))
+    r0, r1 = ReplicaId("r0"), ReplicaId("r1")
+    for rid in (r0, r1):
+        core.add_replica(rid, block_size=32, num_gpu_blocks=100)
+
+    def send(n_blocks: int, seed: int, rid: ReplicaId) -> str:
+        job = core.open(RequestSpec(tokens(32 * n_blocks, seed)), 0.0)
+        assert core.place(job, 0.0, only=rid).replica_id == rid
+        return core.admit(job, 0.0).verdict
+
+    assert send(80, 1, r0) == "admit"
+    assert [send(40, 2 + i, r0) for i in range(3)] == ["queue"] * 3  # 80 + 40 blocks > 85% of 100
+    assert [send(2, 10 + i, r1) for i in range(2)] == ["admit"] * 2
+    assert (core._view(r0).in_flight, core._view(r0).queued, core._view(r1).in_flight) == (1, 3, 2)
+    fresh = core.open(RequestSpec(tokens(64, 20), session_id="s"), 0.0)
+    assert core.place(fresh, 0.0).replica_id == r1  # r0: 1 running + 3 waiting in the router
+    core.check_integrity()
