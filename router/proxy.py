@@ -150,10 +150,21 @@ async def _end_with_error(resp: web.StreamResponse, message: str) -> None:
         pass
 
 
+_DECODE = msgspec.json.Decoder().decode
+
+
 def upstream_result(status: int, raw: bytes) -> UpstreamResult:
-    """An upstream answer's status and body, with the body decoded if it is JSON."""
+    """An upstream answer's status and body, with the body decoded if it is JSON: by msgspec
+    (about 4x faster), else by ``json``, whose verdict stands (``NaN``, ``-Infinity``, integers
+    past 64 bits, invalid JSON: as in ``router.body``)."""
+    if not raw:
+        return UpstreamResult(status, None, raw)
     try:
-        payload = json.loads(raw) if raw else None
+        return UpstreamResult(status, _DECODE(raw), raw)
+    except msgspec.DecodeError:
+        pass
+    try:
+        payload = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError):
         payload = None
     return UpstreamResult(status, payload, raw)
