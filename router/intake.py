@@ -22,8 +22,8 @@ from router.parse import Limits, ParsedRequest, ScoreRequest, parse_chat, parse_
 
 
 def limits_of(app: web.Application) -> Limits:
-    """The request limits of the app's config."""
-    return Limits.of(app[keys.CONFIG])
+    """The request limits of the app's config (``create_app`` computed them once)."""
+    return app[keys.LIMITS]
 
 
 def check_room(num_prompt: int, body: dict[str, Any], limits: Limits, param: str) -> None:
