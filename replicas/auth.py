@@ -96,6 +96,10 @@ class ReplicaAuth:
         for name in list(self._keys):
             self.set_key(name, None)
 
+    def key(self, origin_name: str) -> str | None:
+        """The key for an origin as :func:`origin` spells it, or None."""
+        return self._keys.get(origin_name)
+
     def headers_for(self, url: str) -> dict[str, str]:
         """The auth header for ``url``, or ``{}`` for an origin without a key."""
         key = self._keys.get(origin(url))

@@ -21,6 +21,7 @@ from router.errors import error_middleware
 from router.kv_events import KV_EVENTS, kv_events_ctx
 from router.lifecycle import Lifecycle
 from router.metrics import RouterMetrics, metrics_middleware
+from router.parse import Limits
 from router.pool import ReplicaPool
 from router.scrape import ScrapeRounds
 from router.shutdown import SHUTDOWN
@@ -50,6 +51,7 @@ def create_app(cfg: AppConfig, endpoints: Sequence[ReplicaEndpoint], tokenizer: 
     app = web.Application(middlewares=[metrics_middleware(metrics), error_middleware, edge_middleware(cfg)],
                           client_max_size=cfg.router.max_body_bytes)
     app[keys.CONFIG] = cfg
+    app[keys.LIMITS] = Limits.of(cfg)
     app[keys.POOL] = ReplicaPool(endpoints)
     app[keys.METRICS] = metrics
     app[keys.TOKENIZER] = tokenizer

@@ -48,6 +48,8 @@ async def read_body(request: web.Request, max_bytes: int, timeout_s: float) -> b
         raise PayloadTooLarge(f"request body is {length} bytes; at most {max_bytes} (router.max_body_bytes)",
                               param="body")
     try:
+        if request.content.is_eof():  # received whole already (a small body): no wait to bound
+            return await request.read()
         async with asyncio.timeout(timeout_s):
             return await request.read()
     except TimeoutError:

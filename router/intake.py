@@ -22,8 +22,8 @@ from router.parse import Limits, ParsedRequest, ScoreRequest, parse_chat, parse_
 
 
 def limits_of(app: web.Application) -> Limits:
-    """The request limits of the app's config."""
-    return Limits.of(app[keys.CONFIG])
+    """The request limits of the app's config (``create_app`` computed them once)."""
+    return app[keys.LIMITS]
 
 
 def check_room(num_prompt: int, body: dict[str, Any], limits: Limits, param: str) -> None:
@@ -51,7 +51,7 @@ async def read_completion(request: web.Request) -> tuple[ParsedRequest, list[int
                               tenant=tenant_of(request))
     tokenizer = app[keys.TOKENIZER]
     if isinstance(parsed.prompt, list):
-        tokenizer.check_ids(parsed.prompt, "prompt")
+        tokenizer.check_ids(parsed.prompt, "prompt", parsed.prompt_max_id)
         token_ids = parsed.prompt
     else:
         token_ids = await tokenizer.acompletion_ids(parsed.prompt, parsed.body.get("add_special_tokens", True))
@@ -81,7 +81,7 @@ async def read_score(request: web.Request) -> tuple[ScoreRequest, list[int]]:
     else:
         context = (req.context if isinstance(req.context, list)
                    else await tokenizer.acompletion_ids(req.context, param="context"))
-    tokenizer.check_ids(context, "context")
+    tokenizer.check_ids(context, "context", req.context_max_id if context is req.context else None)
     param = "context" if req.messages is None else "messages"
     check_room(len(context), {}, limits, param)
     for k, response in enumerate(req.responses):

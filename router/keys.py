@@ -12,6 +12,8 @@ import aiohttp
 from aiohttp import web
 
 CONFIG = web.AppKey("config", "router.config.AppConfig")
+LIMITS = web.AppKey("limits", "router.parse.Limits")
+"""``router.parse.Limits.of(app[CONFIG])``, computed once (the config is frozen)."""
 POOL = web.AppKey("pool", "router.pool.ReplicaPool")
 CORE = web.AppKey("core", "cache_policy.core.DecisionCore")
 METRICS = web.AppKey("metrics", "router.metrics.RouterMetrics")

@@ -6,8 +6,48 @@ import asyncio
 import time
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+import prometheus_client
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+
+class _CachedLabels:
+    """``labels(*values)`` answered from a dict after the first call with those values: the
+    request path asks for the same few children (per replica, per reason) on every request, and
+    prometheus_client's own lookup (validation, ``str`` of each value, a lock) costs several
+    times the ``inc`` it precedes. ``remove`` / ``clear`` forget the cached children too."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._children: dict[tuple, object] = {}
+
+    def labels(self, *values, **kwargs):
+        if kwargs:
+            return super().labels(*values, **kwargs)
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = super().labels(*values)
+        return child
+
+    def remove(self, *values) -> None:
+        self._children.clear()
+        super().remove(*values)
+
+    def clear(self) -> None:
+        self._children.clear()
+        super().clear()
+
+
+class Counter(_CachedLabels, prometheus_client.Counter):
+    pass
+
+
+class Gauge(_CachedLabels, prometheus_client.Gauge):
+    pass
+
+
+class Histogram(_CachedLabels, prometheus_client.Histogram):
+    pass
 
 
 class RouterMetrics:

@@ -80,6 +80,9 @@ class ParsedRequest:
     stream: bool
     prompt: str | list[int] | None = None
     messages: list[dict[str, Any]] | None = None
+    prompt_max_id: int | None = None
+    """The largest ID of a token-ID prompt, found while its IDs were checked to be ``>= 0``
+    (the vocabulary check, ``router.tokenize``, reuses it instead of walking the IDs again)."""
 
 
 def _key_text(name: str, value: Any, limits: Limits) -> str | None:
@@ -148,7 +151,8 @@ def _is_token_ids(value: Any) -> bool:
     return isinstance(value, list) and all_ints(value)
 
 
-def _validate_prompt(prompt: Any, limits: Limits) -> str | list[int]:
+def _validate_prompt(prompt: Any, limits: Limits) -> tuple[str | list[int], int | None]:
+    """The prompt, and its largest token ID when it is token IDs."""
     if isinstance(prompt, list) and len(prompt) == 1 and (isinstance(prompt[0], str) or _is_token_ids(prompt[0])):
         prompt = prompt[0]
     if isinstance(prompt, str):
@@ -157,10 +161,9 @@ def _validate_prompt(prompt: Any, limits: Limits) -> str | list[int]:
         if len(prompt) > limits.max_prompt_chars:
             raise BadRequest(f"'prompt' is {len(prompt)} characters; at most {limits.max_prompt_chars} "
                              "(router.max_prompt_chars)", param="prompt")
-        return prompt
+        return prompt, None
     if _is_token_ids(prompt):
-        check_token_ids(prompt, "prompt", limits)
-        return prompt
+        return prompt, check_token_ids(prompt, "prompt", limits)
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         raise BadRequest("'prompt' must be one string or one list of token IDs; batched prompts are not "
                          "supported, send one request per prompt", param="prompt")
@@ -172,15 +175,18 @@ def _validate_prompt(prompt: Any, limits: Limits) -> str | list[int]:
                      param="prompt")
 
 
-def check_token_ids(ids: list[int], param: str, limits: Limits) -> None:
-    """Non-empty, no longer than the model, every ID >= 0 (the vocabulary bound needs the tokenizer)."""
+def check_token_ids(ids: list[int], param: str, limits: Limits) -> int:
+    """Non-empty, no longer than the model, every ID >= 0 (the vocabulary bound needs the
+    tokenizer); the largest ID."""
     if not ids:
         raise BadRequest(f"'{param}' must not be empty", param=param)
     if len(ids) > limits.max_model_len:
         raise BadRequest(f"'{param}' has {len(ids)} tokens; the model takes at most {limits.max_model_len}",
                          param=param)
-    if min_max(ids)[0] < 0:
+    lo, hi = min_max(ids)
+    if lo < 0:
         raise BadRequest(f"'{param}' token IDs must be >= 0", param=param)
+    return hi
 
 
 def validate_messages(messages: Any, limits: Limits | None = None) -> list[dict[str, Any]]:
@@ -234,10 +240,10 @@ def parse_completion(body: dict[str, Any], headers: Mapping[str, str], *, limits
     """Validate a /v1/completions body (mutated: routing fields removed)."""
     limits = limits or default_limits()
     keys, stream = routing_keys(body, headers, limits, tenant), _validate_common(body, limits)
-    prompt = _validate_prompt(body.get("prompt"), limits)
+    prompt, max_id = _validate_prompt(body.get("prompt"), limits)
     # every prompt _validate_prompt passes, the model passes too: it need not walk the token IDs again
     validate_body(CompletionRequest, {**body, "prompt": []} if isinstance(prompt, list) else body)
-    return ParsedRequest("completions", body, keys, stream, prompt=prompt)
+    return ParsedRequest("completions", body, keys, stream, prompt=prompt, prompt_max_id=max_id)
 
 
 def parse_chat(body: dict[str, Any], headers: Mapping[str, str], *, limits: Limits | None = None,
@@ -282,6 +288,8 @@ class ScoreRequest:
     top_logprobs: int
     keys: RoutingKeys
     model: str | None
+    context_max_id: int | None = None
+    """The largest ID of a token-ID context (as ``ParsedRequest.prompt_max_id``)."""
 
 
 def parse_score(body: dict[str, Any], headers: Mapping[str, str], *, limits: Limits | None = None,
@@ -290,6 +298,7 @@ def parse_score(body: dict[str, Any], headers: Mapping[str, str], *, limits: Lim
     limits = limits or default_limits()
     routing = routing_keys(body, headers, limits, tenant)
     context, messages = body.get("context"), body.get("messages")
+    max_id = None
     if (context is None) == (messages is None):
         raise BadRequest("give exactly one of 'context' (token IDs or text) or 'messages'", param="context")
     if messages is not None:
@@ -297,7 +306,7 @@ def parse_score(body: dict[str, Any], headers: Mapping[str, str], *, limits: Lim
     elif not ((isinstance(context, str) or _is_token_ids(context)) and context):
         raise BadRequest("'context' must be a non-empty string or list of token IDs", param="context")
     elif isinstance(context, list):
-        check_token_ids(context, "context", limits)
+        max_id = check_token_ids(context, "context", limits)
     elif len(context) > limits.max_prompt_chars:
         raise BadRequest(f"'context' is {len(context)} characters; at most {limits.max_prompt_chars}", param="context")
     responses = body.get("responses")
@@ -316,4 +325,4 @@ def parse_score(body: dict[str, Any], headers: Mapping[str, str], *, limits: Lim
     if model is not None and not isinstance(model, str):
         raise BadRequest("'model' must be a string", param="model")
     validate_body(ScoreBody, body)
-    return ScoreRequest(context, messages, responses, top, routing, model)
+    return ScoreRequest(context, messages, responses, top, routing, model, context_max_id=max_id)

@@ -22,7 +22,8 @@ caps the cache hit at ``min(S, N - 1)``. To any other replica it sends the same 
 without S: vLLM then skips cache reads (correct, slower), and the response says so.
 A failure is retried whole on another replica (``router.connect_retries`` times); nothing partial
 is returned. The K requests are one job of the request lifecycle (``router.lifecycle``): they
-count K against the replica's load, the pins and admission alike.
+count K against the replica's load, the pins and admission alike. The answer is written to the
+client before the job is released (``router.responses.send_now``), as completions are.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from router.lifecycle import RetryElsewhere
 from router.intake import read_score
 from router.parse import ScoreRequest, parse_score
 from router.proxy import post_json
-from router.responses import annotation, route_headers
+from router.responses import annotation, route_headers, send_now
 
 __all__ = ["ScoreRequest", "parse_score", "score"]  # parse_score lives in router.parse since the typed schemas
 
@@ -128,22 +129,25 @@ async def score(request: web.Request) -> web.Response:
 
     expose = getattr(app[keys.CONFIG].router, "expose_expected_cached_tokens", True)
 
-    async def attempt(job: Job, endpoint: ReplicaEndpoint):
+    async def attempt(job: Job, endpoint: ReplicaEndpoint) -> web.Response:
         rows = await _gather_or_cancel(_score_one(life.http, endpoint, job, req, context, cap, r)
                                        for cap, r in zip(caps, req.responses))
         life.check_versions(job)  # every row from one version's weights over its own KV, or run it again
-        metrics.count_prompt(job, sum(len(context) + len(r) for r in req.responses),
-                             sum(row["cached_tokens"] for row in rows))
         flight = life.flight(job)
         note = annotation(job, core, expose_cached=expose, spans=flight.spans if flight else None,
                           reruns=life.reruns.get(job.id, 0))
-        return job, endpoint, rows, note
+        resp = web.json_response({
+            "replica": job.replica_id, "context_tokens": len(context), "score_start": caps[0].start,
+            "scoring_cap": endpoint.scoring_cap,
+            **{f: note[f] for f in ("cache_salt", "weight_version", "weight_versions", "kv_versions", "hybrid",
+                                    "reruns", "requested_weight_version")},
+            "results": [{"index": i, **r} for i, r in enumerate(rows)],
+        }, headers=route_headers(job, expose_cached=expose))
+        if flight is not None:
+            flight.answering = True  # a weight update leaves it alone from here (router.lifecycle.Flight)
+        await send_now(request, resp)  # before the lifecycle releases the job, as completions do
+        metrics.count_prompt(job, sum(len(context) + len(r) for r in req.responses),
+                             sum(row["cached_tokens"] for row in rows))
+        return resp
 
-    job, endpoint, results, note = await life.run(spec, attempt, status=lambda _: 200)
-    return web.json_response({
-        "replica": job.replica_id, "context_tokens": len(context), "score_start": caps[0].start,
-        "scoring_cap": endpoint.scoring_cap,
-        **{f: note[f] for f in ("cache_salt", "weight_version", "weight_versions", "kv_versions", "hybrid",
-                                "reruns", "requested_weight_version")},
-        "results": [{"index": i, **r} for i, r in enumerate(results)],
-    }, headers=route_headers(job, expose_cached=expose))
+    return await life.run(spec, attempt, status=lambda r: r.status)

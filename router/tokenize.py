@@ -97,16 +97,20 @@ class PromptTokenizer:
         self.load()
         return self._vocab_size
 
-    def check_ids(self, token_ids: list[int], param: str) -> None:
+    def check_ids(self, token_ids: list[int], param: str, max_id: int | None = None) -> None:
         """BadRequest naming ``param`` when a token ID is outside ``[0, vocab_size)``.
 
         ``token_ids`` must already hold only ints (``router.parse`` checks): C-speed bounds
         (``router.token_ids.min_max``); the offending ID is looked for only when one is out of
-        range. Without a tokenizer nothing is checked here."""
+        range. ``max_id``: the largest ID of IDs already checked to be ``>= 0`` (``router.parse``
+        found it), so they are not walked again. Without a tokenizer nothing is checked here."""
         vocab = self.vocab_size
         if vocab is None:  # no tokenizer: the replica checks (its 400 is passed on, naming ``param``)
             return
-        lo, hi = min_max(token_ids) if token_ids else (0, 0)
+        if max_id is not None:
+            lo, hi = 0, max_id
+        else:
+            lo, hi = min_max(token_ids) if token_ids else (0, 0)
         if lo < 0 or hi >= vocab:
             bad = next(t for t in token_ids if not 0 <= t < vocab)
             raise BadRequest(f"'{param}' holds token ID {echo(bad)}, outside the model's vocabulary "

@@ -140,7 +140,7 @@ async def main(args: argparse.Namespace) -> dict:
                     bar.update(task, description=f"latency {spec.name}")
                     async with RunningRouter(spec, zurls, rust_venv, logs) as router:
                         lat = await measure(spec, router.url, zurls[0], args.latency_n, args.latency_tokens,
-                                            args.seed, on_request=tick)
+                                            args.seed, on_request=tick, pid=router.proc.pid)
                         if args.profile and spec.kind == "ours":  # a separate pass: sampling slows the machine
                             spy = profile.start(router.proc.pid, out, rust_venv)
                             await measure(spec, router.url, zurls[0], min(500, args.latency_n), args.latency_tokens,

@@ -18,13 +18,21 @@ def rows(result: dict) -> list[list[str]]:
 
 
 def latency_rows(result: dict) -> list[list[str]]:
-    return [[name, f"{r['added_p50_ms']:+.2f}", f"{r['added_p99_ms']:+.2f}", f"{r['direct_p50_ms']:.2f}"]
+    return [[name, f"{r['added_p50_ms']:+.2f}", f"{r['added_p99_ms']:+.2f}", f"{r['direct_p50_ms']:.2f}",
+             _cpu(r)]
             for name, r in result["latency"].items()]
+
+
+def _cpu(r: dict) -> str:
+    """Router CPU per request, its user part in brackets (``-`` when not measured)."""
+    if "router_cpu_ms_per_request" not in r:
+        return "-"
+    return f"{r['router_cpu_ms_per_request']:.2f} ({r.get('router_user_ms_per_request', 0):.2f} user)"
 
 
 HEAD = ["workload", "router", "prefilled / ideal", "busiest / mean (requests)", "busiest / mean (prefill)",
         "ok", "errors"]
-LAT_HEAD = ["router", "added p50 ms", "added p99 ms", "direct p50 ms"]
+LAT_HEAD = ["router", "added p50 ms", "added p99 ms", "direct p50 ms", "router CPU ms / request (user)"]
 
 
 def print_tables(result: dict) -> None:

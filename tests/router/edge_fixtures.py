@@ -1,7 +1,8 @@
 """A router on loopback in front of a small fake replica, for edge cases no real engine is needed for.
 
 The fake replica answers ``/v1/completions`` and ``/v1/chat/completions`` like vLLM (a 200 with
-usage, or vLLM's 400 error shape when the body asks for it) and records every body it receives.
+usage, ``prompt_logprobs`` rows when asked, or vLLM's 400 error shape when the body asks for it)
+and records every body it receives.
 """
 
 from __future__ import annotations
@@ -44,7 +45,10 @@ def fake_replica_app(seen: list[dict[str, Any]]) -> web.Application:
         if isinstance(body.get("seed"), str):
             return web.json_response({"error": VLLM_BODY_PARAM}, status=400)
         prompt = body.get("prompt") or []
-        return web.json_response({"id": "x", "object": "text_completion", "choices": [{"index": 0, "text": "ok"}],
+        choice: dict[str, Any] = {"index": 0, "text": "ok"}
+        if body.get("prompt_logprobs") is not None:  # a scoring request: one row per prompt token but the first
+            choice["prompt_logprobs"] = [None] + [{str(t): {"logprob": -0.5, "rank": 1}} for t in prompt[1:]]
+        return web.json_response({"id": "x", "object": "text_completion", "choices": [choice],
                                   "usage": {"prompt_tokens": len(prompt), "completion_tokens": 1,
                                             "prompt_tokens_details": {"cached_tokens": 0}}})
 
