@@ -68,6 +68,16 @@ def running_blocks(view: ReplicaView, ledger: KvLedger) -> float:
                ledger.committed(rid) + peer.committed)
 
 
+def parked_limit(cfg: PolicyConfig, capacity: int) -> int | None:
+    """Blocks parked prefixes may count on a replica of ``capacity`` blocks (None: unknown size).
+
+    ``parked_fraction`` of the watermark budget: the rest always stays for running work.
+    Uncapped, parked prefixes outgrew the cache in ``bench.sim`` (ws/kv 2) and only an idle
+    replica admitted (one request at a time; DESIGN rule 3 is about live prefixes, and a
+    prefix that cannot fit beside the work that would reuse it is not kept by refusing work)."""
+    return int(cfg.parked_fraction * cfg.high_watermark * capacity) if capacity > 0 else None
+
+
 class AdmissionState:
     """The queue, the ledger and the rules that join them. With ``enabled=False`` every
     request is admitted at once (the ledger still counts it)."""
@@ -93,10 +103,11 @@ class AdmissionState:
             self.registry.seen("session", session_id, now)
         if group_id is not None:
             self.registry.seen("group", group_id, now)
-        priority = classify(live, started)
-        holds = total_blocks - min(matched_blocks, total_blocks) if priority == "group_member" else total_blocks
+        priority = classify(live, started, self.queue.has_group(group_id))
+        holds = total_blocks - min(matched_blocks, total_blocks) if started and not live else total_blocks
         counted = min(self.registry.parked_of(session_id, rid), total_blocks)
-        return AdmissionRequest(rid, max(0, holds - counted), priority, session_id, now, request_id, holds, requests)
+        return AdmissionRequest(rid, max(0, holds - counted), priority, session_id, now, request_id, holds, requests,
+                                group_id)
 
     def ask(self, request: AdmissionRequest, view: ReplicaView, now: float) -> tuple[Admission, list[AdmissionRequest]]:
         """Admit, queue (the queue keeps ``request``) or reject; also the requests it displaced."""
@@ -110,13 +121,15 @@ class AdmissionState:
             return Admission("reject", decision.reason, decision.retry_after_s), displaced
         return Admission("queue", decision.reason), displaced
 
-    def release(self, ticket: Ticket, now: float, *, park: bool = True) -> None:
-        """The request ended: free its blocks; park its session's prefix (unless ``park`` is False)."""
+    def release(self, ticket: Ticket, now: float, *, park: bool = True, capacity: int = 0) -> None:
+        """The request ended: free its blocks; park its session's prefix (unless ``park`` is False)
+        within :func:`parked_limit` of the replica's ``capacity`` blocks (0: unknown, no limit)."""
         self.ledger.release(ticket)
         if ticket.session_id is not None:
             self.registry.seen("session", ticket.session_id, now)
             if park:
-                self.registry.park(ticket.session_id, ticket.replica_id, ticket.blocks)
+                self.registry.park(ticket.session_id, ticket.replica_id, ticket.blocks,
+                                   parked_limit(self.cfg, capacity))
 
     def expire(self, now: float) -> list[AdmissionRequest]:
         """Queued requests past ``queue_timeout_s`` (reject them: 429)."""
