@@ -113,7 +113,8 @@ class AdmissionState:
         """Admit, queue (the queue keeps ``request``) or reject; also the requests it displaced."""
         if not self.enabled:
             return self._admit(request, now, waited=False), []
-        decision = self.queue.admit(request, project(view, self.ledger, self.registry), 0)
+        with_group = self.ledger.group_running(request.group_id, request.replica_id)
+        decision = self.queue.admit(request, project(view, self.ledger, self.registry), 0, with_group=with_group)
         displaced = [decision.displaced] if decision.displaced is not None else []
         if decision.verdict == "admit":
             return self._admit(request, now, waited=False), displaced
@@ -143,7 +144,8 @@ class AdmissionState:
             waiting = {r.session_id for r in self.queue.waiting() if r.session_id is not None}
             self.registry.unpark_idle(now, self.cfg.session_idle_s, waiting)
         projected = [project(v, self.ledger, self.registry) for v in views]
-        return [(r, self._admit(r, now, waited=True)) for r in self.queue.pop_admissible(projected, {}, now)]
+        taken = self.queue.pop_admissible(projected, {}, now, group_running=self.ledger.group_running)
+        return [(r, self._admit(r, now, waited=True)) for r in taken]
 
     def retry_after_s(self, now: float) -> float:
         """Seconds a refused client should wait before trying again."""
@@ -157,7 +159,7 @@ class AdmissionState:
     def _admit(self, request: AdmissionRequest, now: float, *, waited: bool) -> Admission:
         rid, sid = request.replica_id, request.session_id
         ticket = Ticket(rid, request.holds, request.new_blocks, sid, now, request.priority,
-                        next(self._numbers), request.requests)
+                        next(self._numbers), request.requests, request.group_id)
         self.ledger.admit(ticket)
         if sid is not None:
             self.registry.started_session(sid)

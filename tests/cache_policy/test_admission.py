@@ -219,3 +219,31 @@ def test_queue_bound_grows_with_the_fleet() -> None:
     q.replicas = 1  # a replica left: the queue keeps what it holds, takes no more
     q.check_integrity()
     assert q.admit(ar(rid_="x"), full, 0).verdict == "reject"
+
+
+def test_retry_after_follows_the_recent_wait_once_requests_were_admitted_from_the_queue() -> None:
+    q = AdmissionQueue(PolicyConfig(queue_timeout_s=30.0))
+    q.admit(ar(blocks=50, t=0.0), view(kv_cache_usage=0.8), 0)
+    assert q.retry_after_s(10.0) == 20.0  # no wait seen yet: the oldest request's expiry
+    [req] = q.pop_admissible([view(kv_cache_usage=0.0)], {}, 4.0)  # waited 4 s
+    assert q.retry_after_s(10.0) == 4.0
+    q.admit(ar(blocks=50, t=10.0), view(kv_cache_usage=0.8), 0)
+    q.pop_admissible([view(kv_cache_usage=0.0)], {}, 10.5)  # waited 0.5 s: 4 + 0.1 * (0.5 - 4)
+    assert q.retry_after_s(11.0) == pytest.approx(3.65)
+    q.admit(ar(blocks=50, t=11.0), view(kv_cache_usage=0.8), 0)
+    q.pop_admissible([view(kv_cache_usage=0.0)], {}, 11.0)
+    assert q.retry_after_s(11.0) == pytest.approx(3.285) and q.retry_after_s(99.0) >= 1.0
+
+
+def test_a_member_of_a_running_group_is_taken_past_a_blocked_replica() -> None:
+    q = AdmissionQueue(PolicyConfig())
+    full = view(kv_cache_usage=0.9)
+    big = AdmissionRequest(ReplicaId("a"), 50, "continuing_session", "s", 0.0, "big")
+    member = AdmissionRequest(ReplicaId("a"), 5, "group_member", None, 0.0, "m", group_id="g")
+    loner = AdmissionRequest(ReplicaId("a"), 5, "group_member", None, 0.0, "l", group_id="h")
+    for r in (big, member, loner):
+        q.admit(r, full, 0)
+    taken = q.pop_admissible([full], {}, 1.0, group_running=lambda g, rid: g == "g")
+    assert taken == [member] and [r.request_id for r in q.waiting()] == ["big", "l"]
+    assert q.admit(AdmissionRequest(ReplicaId("a"), 5, "group_member", None, 1.0, "m2", group_id="g"),
+                   full, 0, with_group=True).verdict == "admit"

@@ -204,3 +204,20 @@ def test_a_group_waits_behind_its_queued_first_member(fake_clock):
     assert (a1.verdict, a2.verdict, a2.reason) == ("queue", "queue", "queued_behind")
     core.finish(held, "ok", fake_clock.now())
     assert [job for job, _ in core.pump(fake_clock.now())] == [first, second]  # one pump: prefilled once
+
+
+def test_group_members_join_their_running_group_whatever_the_watermark(fake_clock):
+    core = make()
+    prompt = tokens(41)[:32 * 40 + 16]  # 40 full blocks + a partial one: 41 at its peak
+    first, a1 = ask(core, fake_clock, 41, group="g", prompt=prompt)
+    filler, _ = ask(core, fake_clock, 44)  # 41 + 44 = 85: at the watermark
+    _, other = ask(core, fake_clock, 1)
+    assert (a1.verdict, other.verdict) == ("admit", "queue")
+    second, a2 = ask(core, fake_clock, 41, group="g", prompt=prompt)
+    assert (a2.verdict, a2.reason, a2.ticket.blocks) == ("admit", "admitted", 1)  # shares the prompt
+    _, a3 = ask(core, fake_clock, 41, group="h", prompt=prompt)
+    assert a3.verdict == "queue"  # another group's first member waits for room
+    core.finish(first, "ok", fake_clock.now())
+    core.finish(second, "ok", fake_clock.now())
+    assert not core.admission.ledger.group_running("g", A)
+    core.check_integrity()
