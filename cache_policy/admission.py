@@ -122,16 +122,6 @@ def fits(
     return ok, "under_in_flight_cap" if ok else "in_flight_cap", None
 
 
-def joins_group(group_in_flight: bool) -> bool:
-    """A GRPO member whose group already has a request in flight on its replica is admitted
-    at once, whatever the watermark: the group is admitted as one. Its prompt is in use
-    there, so it adds only its own tokens (still counted against the replica). Held back at
-    the watermark, members were admitted one by one over ~20 s and the prompt was evicted and
-    prefilled 2-5 times (12 of 42 groups, ``bench.sim`` 4 replicas ws/kv 2; GRPO 1.46x ideal
-    prefilled with admission vs 1.02 without). The first member alone waits for room."""
-    return group_in_flight
-
-
 class AdmissionQueue:
     """The bounded admission queue and the admit/queue/reject decision.
 
@@ -140,6 +130,14 @@ class AdmissionQueue:
     A request never overtakes a queued one of equal or higher priority on the same
     replica. At most :attr:`capacity` requests wait; a full queue displaces its newest
     lowest-priority request for a higher-priority one, else rejects.
+
+    A GRPO group is admitted as one: a member whose group already has a request in flight on
+    its replica is admitted at once, whatever the watermark and whatever waits there. Its
+    prompt is in use, so it adds only its own tokens (still counted against the replica).
+    Held back at the watermark, members were admitted one by one over ~20 s and the prompt
+    was evicted and prefilled 2-5 times (12 of 42 groups, ``bench.sim`` 4 replicas ws/kv 2;
+    GRPO 1.46x ideal prefilled with admission, 1.00 with this rule, 1.02 without admission).
+    The first member alone waits for room.
     """
 
     def __init__(self, cfg: PolicyConfig) -> None:
@@ -190,7 +188,7 @@ class AdmissionQueue:
 
         ``pending_blocks``: blocks admitted to ``replica`` not yet reflected in its
         ``kv_cache_usage``. ``request.enqueued_at`` is taken as now. ``with_group``: a request
-        of its GRPO group is in flight on the replica: admitted at once (:func:`joins_group`).
+        of its GRPO group is in flight on the replica: admitted at once (see the class).
         """
         if with_group:
             usage = projected_usage(replica, pending_blocks, request.new_blocks)
@@ -240,7 +238,7 @@ class AdmissionQueue:
         Requests popped here count against their replica for the later ones. Once one
         request for a replica does not fit, none behind it for that replica is taken (no
         overtaking), except a GRPO member whose group runs there (``group_running``) or had
-        a member taken in this pass: it goes with its group (:func:`joins_group`). Requests
+        a member taken in this pass: it goes with its group (see the class). Requests
         whose replica is absent or unhealthy, or already expired at ``now``, stay queued (see
         ``drop_replica`` and ``expire``).
         """
