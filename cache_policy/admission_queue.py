@@ -46,6 +46,8 @@ class AdmissionRequest:
     """Blocks its ticket will hold once admitted (its peak, less a started group's shared prompt)."""
     requests: int = 1
     """Engine requests it stands for (a scoring fan-out's K)."""
+    group_id: str | None = None
+    """Its GRPO group, if any (a member whose group's first request still waits joins it)."""
 
     def __post_init__(self) -> None:
         if self.new_blocks < 0:
@@ -63,7 +65,7 @@ class AdmissionQueueStore:
     continuing-session request of session ``s``; ``_group`` holds only group members and
     ``_new`` only new requests, each in arrival order; ``_requests[r]`` is the sum of
     ``requests`` over the queued requests for replica ``r`` (kept incrementally: placement
-    reads it on every decision).
+    reads it on every decision); ``_groups[g]`` counts the queued requests of group ``g``.
     """
 
     def __init__(self) -> None:
@@ -71,6 +73,7 @@ class AdmissionQueueStore:
         self._group: list[AdmissionRequest] = []
         self._new: list[AdmissionRequest] = []
         self._requests: Counter[str] = Counter()
+        self._groups: Counter[str] = Counter()
 
     @property
     def requests_by_replica(self) -> Counter[str]:
@@ -83,6 +86,8 @@ class AdmissionQueueStore:
     def push(self, req: AdmissionRequest) -> None:
         """Queue ``req`` at the back of its class (its session's list for sessions)."""
         self._requests[req.replica_id] += req.requests
+        if req.group_id is not None:
+            self._groups[req.group_id] += 1
         if req.priority == "continuing_session":
             assert req.session_id is not None, "bug: continuing request without session"
             self._sessions.setdefault(req.session_id, []).append(req)
@@ -107,6 +112,10 @@ class AdmissionQueueStore:
             self._requests[r.replica_id] -= r.requests
             if not self._requests[r.replica_id]:
                 del self._requests[r.replica_id]
+            if r.group_id is not None:
+                self._groups[r.group_id] -= 1
+                if not self._groups[r.group_id]:
+                    del self._groups[r.group_id]
         touched = [s for s, q in self._sessions.items() if any(id(r) in gone for r in q)]
         for sid in touched:
             rest = [r for r in self._sessions[sid] if id(r) not in gone]
@@ -124,6 +133,10 @@ class AdmissionQueueStore:
         rank = _RANK[priority]
         classes = (chain.from_iterable(self._sessions.values()), self._group, self._new)[: rank + 1]
         return any(r.replica_id == replica_id for r in chain.from_iterable(classes))
+
+    def has_group(self, group_id: str | None) -> bool:
+        """Whether a request of GRPO group ``group_id`` waits (False for ``None``)."""
+        return group_id is not None and group_id in self._groups
 
     def _all(self) -> Iterable[AdmissionRequest]:
         """Every queued request, in no particular order (cheaper than :meth:`in_order`)."""
@@ -153,5 +166,7 @@ class AdmissionQueueStore:
         counts: Counter[str] = Counter()
         for r in self.in_order():
             counts[r.replica_id] += r.requests
+        if Counter(r.group_id for r in self.in_order() if r.group_id is not None) != +self._groups:
+            raise RuntimeError(f"bug: queued groups {dict(self._groups)} disagree with the queue")
         if +counts != +self._requests:
             raise RuntimeError(f"bug: queued requests per replica {dict(self._requests)} != {dict(counts)}")

@@ -68,6 +68,16 @@ def running_blocks(view: ReplicaView, ledger: KvLedger) -> float:
                ledger.committed(rid) + peer.committed)
 
 
+def parked_limit(cfg: PolicyConfig, capacity: int) -> int | None:
+    """Blocks parked prefixes may count on a replica of ``capacity`` blocks (None: unknown size).
+
+    ``parked_fraction`` of the watermark budget: the rest always stays for running work.
+    Uncapped, parked prefixes outgrew the cache in ``bench.sim`` (ws/kv 2) and only an idle
+    replica admitted (one request at a time; DESIGN rule 3 is about live prefixes, and a
+    prefix that cannot fit beside the work that would reuse it is not kept by refusing work)."""
+    return int(cfg.parked_fraction * cfg.high_watermark * capacity) if capacity > 0 else None
+
+
 class AdmissionState:
     """The queue, the ledger and the rules that join them. With ``enabled=False`` every
     request is admitted at once (the ledger still counts it)."""
@@ -93,16 +103,18 @@ class AdmissionState:
             self.registry.seen("session", session_id, now)
         if group_id is not None:
             self.registry.seen("group", group_id, now)
-        priority = classify(live, started)
-        holds = total_blocks - min(matched_blocks, total_blocks) if priority == "group_member" else total_blocks
+        priority = classify(live, started, self.queue.has_group(group_id))
+        holds = total_blocks - min(matched_blocks, total_blocks) if started and not live else total_blocks
         counted = min(self.registry.parked_of(session_id, rid), total_blocks)
-        return AdmissionRequest(rid, max(0, holds - counted), priority, session_id, now, request_id, holds, requests)
+        return AdmissionRequest(rid, max(0, holds - counted), priority, session_id, now, request_id, holds, requests,
+                                group_id)
 
     def ask(self, request: AdmissionRequest, view: ReplicaView, now: float) -> tuple[Admission, list[AdmissionRequest]]:
         """Admit, queue (the queue keeps ``request``) or reject; also the requests it displaced."""
         if not self.enabled:
             return self._admit(request, now, waited=False), []
-        decision = self.queue.admit(request, project(view, self.ledger, self.registry), 0)
+        with_group = self.ledger.group_running(request.group_id, request.replica_id)
+        decision = self.queue.admit(request, project(view, self.ledger, self.registry), 0, with_group=with_group)
         displaced = [decision.displaced] if decision.displaced is not None else []
         if decision.verdict == "admit":
             return self._admit(request, now, waited=False), displaced
@@ -110,13 +122,15 @@ class AdmissionState:
             return Admission("reject", decision.reason, decision.retry_after_s), displaced
         return Admission("queue", decision.reason), displaced
 
-    def release(self, ticket: Ticket, now: float, *, park: bool = True) -> None:
-        """The request ended: free its blocks; park its session's prefix (unless ``park`` is False)."""
+    def release(self, ticket: Ticket, now: float, *, park: bool = True, capacity: int = 0) -> None:
+        """The request ended: free its blocks; park its session's prefix (unless ``park`` is False)
+        within :func:`parked_limit` of the replica's ``capacity`` blocks (0: unknown, no limit)."""
         self.ledger.release(ticket)
         if ticket.session_id is not None:
             self.registry.seen("session", ticket.session_id, now)
             if park:
-                self.registry.park(ticket.session_id, ticket.replica_id, ticket.blocks)
+                self.registry.park(ticket.session_id, ticket.replica_id, ticket.blocks,
+                                   parked_limit(self.cfg, capacity))
 
     def expire(self, now: float) -> list[AdmissionRequest]:
         """Queued requests past ``queue_timeout_s`` (reject them: 429)."""
@@ -130,7 +144,8 @@ class AdmissionState:
             waiting = {r.session_id for r in self.queue.waiting() if r.session_id is not None}
             self.registry.unpark_idle(now, self.cfg.session_idle_s, waiting)
         projected = [project(v, self.ledger, self.registry) for v in views]
-        return [(r, self._admit(r, now, waited=True)) for r in self.queue.pop_admissible(projected, {}, now)]
+        taken = self.queue.pop_admissible(projected, {}, now, group_running=self.ledger.group_running)
+        return [(r, self._admit(r, now, waited=True)) for r in taken]
 
     def retry_after_s(self, now: float) -> float:
         """Seconds a refused client should wait before trying again."""
@@ -144,7 +159,7 @@ class AdmissionState:
     def _admit(self, request: AdmissionRequest, now: float, *, waited: bool) -> Admission:
         rid, sid = request.replica_id, request.session_id
         ticket = Ticket(rid, request.holds, request.new_blocks, sid, now, request.priority,
-                        next(self._numbers), request.requests)
+                        next(self._numbers), request.requests, request.group_id)
         self.ledger.admit(ticket)
         if sid is not None:
             self.registry.started_session(sid)

@@ -54,7 +54,21 @@ class PolicyConfig:
     """Admit while projected KV cache usage (fraction of ``num_gpu_blocks``) stays at or below."""
 
     max_queue: int = 256
-    """Requests that may wait for admission (all replicas together); beyond it, reject (429)."""
+    """Requests that may wait for admission (all replicas together) at the least; the bound is
+    ``max(max_queue, max_queue_per_replica * replicas)``. Beyond it, reject (429)."""
+
+    max_queue_per_replica: int = 64
+    """The queue bound grows with the fleet by this many requests per replica (0: ``max_queue``
+    alone). A fleet-wide 256 is ~4 per replica at 64 replicas: the queue filled and 429s with a
+    Retry-After of up to ``queue_timeout_s`` gave 31-109 s turn tails in ``bench.sim``; 64 is
+    above the in-flight jobs of the closed-loop RL clients per replica (8 sessions, 2 groups
+    of 16, 1 fan-out), so their work waits instead of bouncing."""
+
+    parked_fraction: float = 0.5
+    """At most this fraction of a replica's watermark budget counts parked prefixes (idle
+    sessions' cached prefixes, DESIGN rule 3); past it the oldest parked prefix stops counting.
+    Uncapped, parked prefixes outgrew the cache at ws/kv 2 in ``bench.sim`` and only an idle
+    replica admitted work (one request at a time); the rest is kept for running work."""
 
     queue_timeout_s: float = 30.0
     """Seconds a request may wait in the admission queue before it expires (429)."""
@@ -90,6 +104,8 @@ class PolicyConfig:
         _positive(self, "predicted_ttl_s")
         _in_unit(self, "high_watermark", low_open=True)
         _at_least(self, "max_queue", 0)
+        _at_least(self, "max_queue_per_replica", 0)
+        _in_unit(self, "parked_fraction", low_open=False)
         _positive(self, "queue_timeout_s")
         _positive(self, "session_idle_s")
         _positive(self, "key_ttl_s")

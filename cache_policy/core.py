@@ -182,6 +182,7 @@ class DecisionCore:
                              "configure one block size")
         self.replicas[rid] = ReplicaRecord(rid, block_size, num_gpu_blocks, scoring_cap)
         self.versions.set_loaded(rid, self.versions.initial if version is None else version)
+        self.admission.queue.replicas = len(self.replicas)
         self.policy.on_replicas_changed(list(self.replicas))
 
     def remove_replica(self, rid: ReplicaId, now: float) -> None:
@@ -193,6 +194,7 @@ class DecisionCore:
         self.versions.forget_replica(rid)
         self.admission.ledger.forget_replica(rid)
         self.free_queue.remove_replica(rid)
+        self.admission.queue.replicas = len(self.replicas)
         self.policy.on_replicas_changed(list(self.replicas))
 
     def restarted(self, rid: ReplicaId, *, num_gpu_blocks: int = 0, scoring_cap: bool = False,
@@ -433,8 +435,8 @@ class DecisionCore:
         if rid is not None:
             self.policy.on_finished(job.view, rid)
             if job.ticket is not None:
-                self.admission.release(job.ticket, now, park=outcome == "ok")
                 capacity = self._raw_view(rid).num_gpu_blocks if rid in self.replicas else 0
+                self.admission.release(job.ticket, now, park=outcome == "ok", capacity=capacity)
                 generated = job.spec.new_tokens if job.generated_tokens is None else job.generated_tokens
                 full = (job.view.num_prompt_tokens + generated) // self.block_size  # a partial block goes to the head
                 self.free_queue.release(rid, job.view.block_hashes, full, capacity,

@@ -19,6 +19,7 @@ Pure bookkeeping: no I/O, times come from the caller's clock.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -33,7 +34,8 @@ class Ticket:
 
     ``blocks``: what it holds at its peak (prompt + max tokens; for a started group's member,
     beyond the shared prompt); ``new_blocks``: what admitting it added to the projection;
-    ``requests``: how many engine requests it stands for (a scoring fan-out's K).
+    ``requests``: how many engine requests it stands for (a scoring fan-out's K);
+    ``group_id``: its GRPO group, if any.
     """
 
     replica_id: ReplicaId
@@ -44,6 +46,7 @@ class Ticket:
     priority: Priority
     number: int
     requests: int = 1
+    group_id: str | None = None
 
 
 NO_PEER = PeerLoad()
@@ -60,6 +63,8 @@ class KvLedger:
     def __init__(self) -> None:
         self._in_flight: dict[ReplicaId, dict[int, Ticket]] = {}
         self._requests: dict[ReplicaId, int] = {}
+        self._groups: Counter[tuple[str, ReplicaId]] = Counter()
+        """Tickets in flight per ``(group_id, replica)``."""
         self.scraped_at: dict[ReplicaId, float] = {}
         self.peers: dict[ReplicaId, PeerLoad] = {}
         """Other routers' shares per replica (``cache_policy.sharing``; empty with one router)."""
@@ -68,6 +73,8 @@ class KvLedger:
         """Count ``ticket`` against its replica."""
         self._in_flight.setdefault(ticket.replica_id, {})[ticket.number] = ticket
         self._requests[ticket.replica_id] = self._requests.get(ticket.replica_id, 0) + ticket.requests
+        if ticket.group_id is not None:
+            self._groups[(ticket.group_id, ticket.replica_id)] += 1
 
     def release(self, ticket: Ticket) -> None:
         """Stop counting ``ticket``; RuntimeError (bug) if it was not admitted or is released twice."""
@@ -75,6 +82,15 @@ class KvLedger:
         if held.pop(ticket.number, None) is None:
             raise RuntimeError(f"bug: ticket {ticket.number} released twice or never admitted")
         self._requests[ticket.replica_id] -= ticket.requests
+        if ticket.group_id is not None:
+            key = (ticket.group_id, ticket.replica_id)
+            self._groups[key] -= 1
+            if not self._groups[key]:
+                del self._groups[key]
+
+    def group_running(self, group_id: str | None, rid: ReplicaId) -> bool:
+        """Whether a request of GRPO group ``group_id`` is in flight on ``rid``."""
+        return group_id is not None and (group_id, rid) in self._groups
 
     @property
     def requests_by_replica(self) -> Mapping[ReplicaId, int]:
@@ -108,3 +124,7 @@ class KvLedger:
         for rid, held in self._in_flight.items():
             if sum(t.requests for t in held.values()) != self._requests.get(rid, 0):
                 raise RuntimeError(f"bug: request count of {rid} disagrees with its tickets")
+        groups = Counter((t.group_id, t.replica_id) for held in self._in_flight.values()
+                         for t in held.values() if t.group_id is not None)
+        if groups != +self._groups:
+            raise RuntimeError(f"bug: group counts {dict(self._groups)} disagree with the tickets")

@@ -49,7 +49,8 @@ class KeyRegistry:
     """``(kind, key) -> KeyRecord``, LRU ordered, with the pin-table interface the policies use.
 
     Invariants: ``own_in_flight <= in_flight`` for every record; ``_parked_sum[r]`` is the
-    sum of parked blocks on ``r``. A parked prefix is unparked when the session's next request
+    sum of parked blocks on ``r``, and ``_parked_order[r]`` holds exactly the records parked on
+    ``r``, oldest parked first. A parked prefix is unparked when the session's next request
     is admitted (``started_session``), and parked again when the last one in flight ends.
     """
 
@@ -61,6 +62,8 @@ class KeyRegistry:
         self.max_pins = max_keys
         self._records: OrderedDict[tuple[KeyKind, str], KeyRecord] = OrderedDict()
         self._parked_sum: dict[ReplicaId, int] = {}
+        self._parked_order: dict[ReplicaId, OrderedDict[int, KeyRecord]] = {}
+        """Per replica, its parked records (by ``id``) oldest parked first."""
         self._now = float("-inf")
 
     def __len__(self) -> int:
@@ -152,13 +155,20 @@ class KeyRegistry:
         rec = self._records.get((kind, key)) if key is not None else None
         return rec is not None and now - rec.last_seen <= idle_s
 
-    def park(self, session_id: str, replica: ReplicaId, blocks: int) -> None:
-        """Session ``session_id`` holds ``blocks`` of prefix on ``replica`` between turns."""
+    def park(self, session_id: str, replica: ReplicaId, blocks: int, limit: int | None = None) -> None:
+        """Session ``session_id`` holds ``blocks`` of prefix on ``replica`` between turns.
+
+        With ``limit``, parked prefixes on ``replica`` count at most ``limit`` blocks: the oldest
+        parked first stop counting (this one too, if it alone is larger). See
+        ``cache_policy.admission_state.parked_limit`` for why."""
         rec = self.touch("session", session_id)
         self._unpark(rec)
         if rec.in_flight == 0:
             rec.parked = (replica, blocks)
             self._parked_sum[replica] = self._parked_sum.get(replica, 0) + blocks
+            self._parked_order.setdefault(replica, OrderedDict())[id(rec)] = rec
+            while limit is not None and self._parked_sum.get(replica, 0) > limit:
+                self._unpark(next(iter(self._parked_order[replica].values())))
 
     def started_session(self, session_id: str) -> None:
         """A request of ``session_id`` was admitted: its prefix is in use, no longer parked."""
@@ -209,8 +219,13 @@ class KeyRegistry:
                 raise RuntimeError(f"bug: {kind} {key!r} own_in_flight {r.own_in_flight} > {r.in_flight}")
             if r.parked is not None:
                 sums[r.parked[0]] = sums.get(r.parked[0], 0) + r.parked[1]
+        sums = {k: v for k, v in sums.items() if v}  # a 0-block prefix may be parked
         if {k: v for k, v in self._parked_sum.items() if v} != sums:
             raise RuntimeError(f"bug: parked sums {self._parked_sum} != records {sums}")
+        order = {rid: sum(r.parked[1] for r in recs.values() if r.parked and r.parked[0] == rid)
+                 for rid, recs in self._parked_order.items()}
+        if {k: v for k, v in order.items() if v} != sums:
+            raise RuntimeError(f"bug: parked order {order} != records {sums}")
 
     def _unpark(self, rec: KeyRecord) -> None:
         if rec.parked is not None:
@@ -218,6 +233,10 @@ class KeyRegistry:
             self._parked_sum[rid] -= blocks
             if not self._parked_sum[rid]:
                 del self._parked_sum[rid]
+            order = self._parked_order[rid]
+            del order[id(rec)]
+            if not order:
+                del self._parked_order[rid]
             rec.parked = None
 
     def _evict(self) -> None:

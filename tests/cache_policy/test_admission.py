@@ -9,6 +9,7 @@ from cache_policy.admission import (
     AdmissionRequest,
     blocks_needed,
     classify,
+    queue_capacity,
     fits,
     projected_usage,
 )
@@ -76,7 +77,7 @@ def test_request_validation() -> None:
 
 
 def test_admit_queue_reject() -> None:
-    q = AdmissionQueue(PolicyConfig(max_queue=2, queue_timeout_s=30.0))
+    q = AdmissionQueue(PolicyConfig(max_queue=2, max_queue_per_replica=0, queue_timeout_s=30.0))
     full = view(kv_cache_usage=0.8)
     assert q.admit(ar(blocks=5), full, 0).verdict == "admit"
     d = q.admit(ar(blocks=10, t=0.0), full, 0)
@@ -94,13 +95,13 @@ def test_admit_queue_reject() -> None:
 
 
 def test_zero_queue_rejects_at_once() -> None:
-    q = AdmissionQueue(PolicyConfig(max_queue=0))
+    q = AdmissionQueue(PolicyConfig(max_queue=0, max_queue_per_replica=0))
     d = q.admit(ar(blocks=50), view(kv_cache_usage=0.8), 0)
     assert d.verdict == "reject" and d.retry_after_s == 30.0
 
 
 def test_full_queue_displaces_lower_priority() -> None:
-    q = AdmissionQueue(PolicyConfig(max_queue=2))
+    q = AdmissionQueue(PolicyConfig(max_queue=2, max_queue_per_replica=0))
     full = view(kv_cache_usage=0.9)
     n1, g1 = ar(prio="new", rid_="n1"), ar(prio="group_member", rid_="g1")
     q.admit(n1, full, 0)
@@ -206,3 +207,43 @@ def test_expire() -> None:
 def test_admit_checks_the_replica_matches() -> None:
     with pytest.raises(ValueError, match="replica"):
         AdmissionQueue(PolicyConfig()).admit(ar("a"), view("b"), 0)
+
+
+def test_queue_bound_grows_with_the_fleet() -> None:
+    cfg = PolicyConfig(max_queue=256, max_queue_per_replica=64)
+    assert (queue_capacity(cfg, 1), queue_capacity(cfg, 4), queue_capacity(cfg, 64)) == (256, 256, 4096)
+    q = AdmissionQueue(PolicyConfig(max_queue=1, max_queue_per_replica=2))
+    q.replicas = 2
+    full = view(kv_cache_usage=1.0)
+    assert [q.admit(ar(rid_=str(i)), full, 0).verdict for i in range(5)] == ["queue"] * 4 + ["reject"]
+    q.replicas = 1  # a replica left: the queue keeps what it holds, takes no more
+    q.check_integrity()
+    assert q.admit(ar(rid_="x"), full, 0).verdict == "reject"
+
+
+def test_retry_after_follows_the_recent_wait_once_requests_were_admitted_from_the_queue() -> None:
+    q = AdmissionQueue(PolicyConfig(queue_timeout_s=30.0))
+    q.admit(ar(blocks=50, t=0.0), view(kv_cache_usage=0.8), 0)
+    assert q.retry_after_s(10.0) == 20.0  # no wait seen yet: the oldest request's expiry
+    [req] = q.pop_admissible([view(kv_cache_usage=0.0)], {}, 4.0)  # waited 4 s
+    assert q.retry_after_s(10.0) == 4.0
+    q.admit(ar(blocks=50, t=10.0), view(kv_cache_usage=0.8), 0)
+    q.pop_admissible([view(kv_cache_usage=0.0)], {}, 10.5)  # waited 0.5 s: 4 + 0.1 * (0.5 - 4)
+    assert q.retry_after_s(11.0) == pytest.approx(3.65)
+    q.admit(ar(blocks=50, t=11.0), view(kv_cache_usage=0.8), 0)
+    q.pop_admissible([view(kv_cache_usage=0.0)], {}, 11.0)
+    assert q.retry_after_s(11.0) == pytest.approx(3.285) and q.retry_after_s(99.0) >= 1.0
+
+
+def test_a_member_of_a_running_group_is_taken_past_a_blocked_replica() -> None:
+    q = AdmissionQueue(PolicyConfig())
+    full = view(kv_cache_usage=0.9)
+    big = AdmissionRequest(ReplicaId("a"), 50, "continuing_session", "s", 0.0, "big")
+    member = AdmissionRequest(ReplicaId("a"), 5, "group_member", None, 0.0, "m", group_id="g")
+    loner = AdmissionRequest(ReplicaId("a"), 5, "group_member", None, 0.0, "l", group_id="h")
+    for r in (big, member, loner):
+        q.admit(r, full, 0)
+    taken = q.pop_admissible([full], {}, 1.0, group_running=lambda g, rid: g == "g")
+    assert taken == [member] and [r.request_id for r in q.waiting()] == ["big", "l"]
+    assert q.admit(AdmissionRequest(ReplicaId("a"), 5, "group_member", None, 1.0, "m2", group_id="g"),
+                   full, 0, with_group=True).verdict == "admit"

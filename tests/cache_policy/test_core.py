@@ -98,7 +98,7 @@ def test_a_refused_request_is_unindexed_and_its_new_pin_undone():
 
 
 def test_a_429_from_admission_is_unindexed_and_a_kept_pin_stays():
-    core = DecisionCore(PolicyConfig(max_queue=0, session_idle_s=10.0))
+    core = DecisionCore(PolicyConfig(max_queue=0, max_queue_per_replica=0, session_idle_s=10.0))
     core.add_replica(R[0], block_size=32, num_gpu_blocks=400)
     turn1, _ = run(core, RequestSpec(list(range(9000, 9064)), session_id="s"), 0.0)
     core.finish(turn1, "ok", 0.0)
@@ -189,7 +189,7 @@ def test_a_thousand_mixed_requests_keep_every_invariant(seed):
     """Sessions, groups, scoring fan-outs, a weight update and a replica leaving, on a fake clock;
     ``check_integrity`` after every step, and the books balance at the end."""
     rng = random.Random(seed)
-    core = fleet(max_queue=16)
+    core = fleet(max_queue=16, max_queue_per_replica=0)
     now, running = 0.0, []
     sessions = {f"s{i}": list(range(i * 10_000, i * 10_000 + rng.randrange(40, 300))) for i in range(30)}
     groups = {f"g{i}": list(range(500_000 + i * 10_000, 500_000 + i * 10_000 + 200)) for i in range(20)}

@@ -87,7 +87,7 @@ def test_wait_past_the_deadline_is_429_with_retry_after(fake_clock):
 
 
 def test_full_queue_rejects_at_once(fake_clock):
-    core = make(max_queue=1)
+    core = make(max_queue=1, max_queue_per_replica=0)
     ask(core, fake_clock, 80)
     _, queued = ask(core, fake_clock, 10)
     _, refused = ask(core, fake_clock, 10)
@@ -95,7 +95,7 @@ def test_full_queue_rejects_at_once(fake_clock):
 
 
 def test_continuing_session_goes_first_and_displaces_new_work(fake_clock):
-    core = make(max_queue=1)
+    core = make(max_queue=1, max_queue_per_replica=0)
     turn1, _ = ask(core, fake_clock, 40, session="s1")
     core.finish(turn1, "ok", fake_clock.now())  # s1 is live now, its 40 blocks parked
     held, _ = ask(core, fake_clock, 40)
@@ -112,7 +112,7 @@ def test_continuing_session_goes_first_and_displaces_new_work(fake_clock):
 
 
 def test_parked_sessions_hold_room_against_new_work_until_idle(fake_clock):
-    core = make(queue_timeout_s=30.0)
+    core = make(queue_timeout_s=30.0, parked_fraction=1.0)  # the mechanism, uncapped
     for sid in ("s1", "s2"):
         job, _ = ask(core, fake_clock, 40, session=sid)
         core.finish(job, "ok", fake_clock.now())
@@ -179,4 +179,45 @@ def test_a_stopping_router_refuses_every_queued_job_at_once(fake_clock):
     assert [j for j, _ in refused] == queued and {a.reason for _, a in refused} == {"shutdown"}
     assert core.queue_length() == 0 and all(j.done for j in queued)
     core.finish(held, "ok", fake_clock.now())
+    core.check_integrity()
+
+
+def test_parked_prefixes_count_up_to_their_fraction_of_the_watermark_oldest_out_first(fake_clock):
+    core = make(queue_timeout_s=30.0)  # parked_fraction 0.5: 0.5 * 0.85 * 100 = 42 blocks
+    for sid in ("s1", "s2"):
+        job, _ = ask(core, fake_clock, 40, session=sid)
+        core.finish(job, "ok", fake_clock.now())
+    assert core.registry.parked_blocks(A) == 40  # s1 (parked first) stopped counting
+    assert (core.registry.parked_of("s1", A), core.registry.parked_of("s2", A)) == (0, 40)
+    held, _ = ask(core, fake_clock, 5)
+    new, adm = ask(core, fake_clock, 40, session="s3")
+    assert adm.verdict == "admit"  # 40 parked + 5 + 40 <= 85: running work keeps its share
+    core.check_integrity()
+
+
+def test_a_group_waits_behind_its_queued_first_member(fake_clock):
+    core = make()
+    held, _ = ask(core, fake_clock, 80)
+    prompt = tokens(11)[:32 * 10 + 16]
+    first, a1 = ask(core, fake_clock, 11, group="g", prompt=prompt)
+    second, a2 = ask(core, fake_clock, 11, group="g", prompt=prompt)  # would fit: 80 + 1 <= 85
+    assert (a1.verdict, a2.verdict, a2.reason) == ("queue", "queue", "queued_behind")
+    core.finish(held, "ok", fake_clock.now())
+    assert [job for job, _ in core.pump(fake_clock.now())] == [first, second]  # one pump: prefilled once
+
+
+def test_group_members_join_their_running_group_whatever_the_watermark(fake_clock):
+    core = make()
+    prompt = tokens(41)[:32 * 40 + 16]  # 40 full blocks + a partial one: 41 at its peak
+    first, a1 = ask(core, fake_clock, 41, group="g", prompt=prompt)
+    filler, _ = ask(core, fake_clock, 44)  # 41 + 44 = 85: at the watermark
+    _, other = ask(core, fake_clock, 1)
+    assert (a1.verdict, other.verdict) == ("admit", "queue")
+    second, a2 = ask(core, fake_clock, 41, group="g", prompt=prompt)
+    assert (a2.verdict, a2.reason, a2.ticket.blocks) == ("admit", "admitted", 1)  # shares the prompt
+    _, a3 = ask(core, fake_clock, 41, group="h", prompt=prompt)
+    assert a3.verdict == "queue"  # another group's first member waits for room
+    core.finish(first, "ok", fake_clock.now())
+    core.finish(second, "ok", fake_clock.now())
+    assert not core.admission.ledger.group_running("g", A)
     core.check_integrity()

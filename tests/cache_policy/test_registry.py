@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from cache_policy.registry import KeyRegistry
 from cache_policy.types import ReplicaId
 
@@ -71,3 +74,33 @@ def test_parked_blocks_are_summed_per_replica_and_unparked_when_idle() -> None:
     reg.drop_replica(B)
     assert reg.parked_blocks(B) == 0
     reg.check_integrity()
+
+
+def test_parked_prefixes_past_the_limit_stop_counting_oldest_parked_first() -> None:
+    reg = KeyRegistry(100, ttl_s=3600)
+    for sid, blocks in (("s1", 10), ("s2", 20), ("s3", 15)):
+        reg.park(sid, A, blocks, limit=40)
+    assert reg.parked_blocks(A) == 35 and reg.parked_of("s1", A) == 0  # s1 out: 10 + 20 + 15 > 40
+    reg.park("s4", A, 50, limit=40)  # larger than the limit alone: nothing of it counts
+    assert reg.parked_blocks(A) == 0
+    reg.park("s5", B, 50)  # no limit (replica size unknown)
+    assert reg.parked_blocks(B) == 50
+    reg.check_integrity()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from("abcdef"), st.sampled_from([A, B]), st.integers(0, 30),
+                          st.sampled_from(["park", "start", "end"])), max_size=40),
+       st.integers(0, 60))
+def test_parked_sum_stays_within_the_limit_and_keeps_the_newest(ops, limit) -> None:
+    reg = KeyRegistry(100, ttl_s=3600)
+    for sid, rid, blocks, op in ops:
+        if op == "park":
+            reg.park(sid, rid, blocks, limit=limit)
+            assert reg.parked_blocks(rid) <= limit
+            assert reg.parked_of(sid, rid) == (blocks if blocks <= limit else 0)  # the newest stays
+        elif op == "start":
+            reg.started_session(sid)
+        else:
+            reg.end("session", sid)
+        reg.check_integrity()
