@@ -230,13 +230,15 @@ class KeyRegistry:
     def _unpark(self, rec: KeyRecord) -> None:
         if rec.parked is not None:
             rid, blocks = rec.parked
-            self._parked_sum[rid] -= blocks
-            if not self._parked_sum[rid]:
-                del self._parked_sum[rid]
-            order = self._parked_order[rid]
-            del order[id(rec)]
+            left = self._parked_sum.get(rid, 0) - blocks  # a 0-block prefix may be parked
+            if left:
+                self._parked_sum[rid] = left
+            else:
+                self._parked_sum.pop(rid, None)
+            order = self._parked_order.get(rid, {})
+            order.pop(id(rec), None)
             if not order:
-                del self._parked_order[rid]
+                self._parked_order.pop(rid, None)
             rec.parked = None
 
     def _evict(self) -> None:
