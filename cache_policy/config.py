@@ -66,7 +66,7 @@ class PolicyConfig:
 
     parked_fraction: float = 0.5
     """At most this fraction of a replica's watermark budget counts parked prefixes (idle
-    sessions' cached prefixes, DESIGN rule 3); past it the oldest parked prefix stops counting.
+    sessions' cached prefixes); past it the oldest parked prefix stops counting.
     Uncapped, parked prefixes outgrew the cache at ws/kv 2 in ``bench.sim`` and only an idle
     replica admitted work (one request at a time); the rest is kept for running work."""
 

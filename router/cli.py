@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from replicas.config import StartupError
+from cache_policy.config import PolicyConfig
 from router.config import AppConfig, RouterConfig
 
 _SIMPLE = (int, float, str)
@@ -108,10 +109,11 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="start the replicas and serve the router until interrupted")
     for p in (serve,):
-        p.add_argument("--config", default=None, help="YAML config (sections router, replicas, policy)")
+        p.add_argument("--config", default=None, help="YAML config (sections router, replicas, policy); the router and policy fields are also flags below")
         p.add_argument("--num-replicas", type=int, default=None, help="override replicas.num_replicas")
         p.add_argument("--log-level", default="WARNING", help="DEBUG | INFO | WARNING | ERROR (default: WARNING)")
     add_dataclass_flags(serve, RouterConfig)
+    add_dataclass_flags(serve, PolicyConfig, "policy-")
     from router.state.status import add_status_parser
 
     add_status_parser(sub)
@@ -121,7 +123,8 @@ def _parser() -> argparse.ArgumentParser:
 def _config(args: argparse.Namespace) -> AppConfig:
     cfg = AppConfig.load(args.config)
     replicas = {"num_replicas": args.num_replicas} if args.num_replicas else {}
-    return cfg.replace(router=dataclass_overrides(args, RouterConfig), replicas=replicas)
+    return cfg.replace(router=dataclass_overrides(args, RouterConfig), replicas=replicas,
+                       policy=dataclass_overrides(args, PolicyConfig, "policy-"))
 
 
 def _check_port_free(host: str, port: int) -> None:

@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
 
+from bench.sim.cli import _at_least
 from bench.sim.engine import EngineConfig
 from bench.sim.fleet import Fleet, FleetConfig
 from bench.sim.ours import Ours
@@ -98,10 +100,14 @@ def simulate(name: str, policy: str, grpo: GrpoWorkload, agent: AgentWorkload, b
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.sim.validate", description=__doc__.split("\n\n")[0])
     p.add_argument("--demo", type=Path, default=Path("results/demo.json"), help="the real demo's output")
-    p.add_argument("--blocks", type=int, default=0,
+    p.add_argument("--blocks", type=_at_least(0), default=0,
                    help="KV blocks per replica (0: the demo's own num_gpu_blocks if recorded, else 8192)")
     args = p.parse_args(argv)
-    real = json.loads(args.demo.read_text()) if args.demo.exists() else None
+    if not args.demo.exists():
+        print(f"no real run to compare with: {args.demo} does not exist (bash scripts/demo.sh writes it)",
+              file=sys.stderr)
+        return 2
+    real = json.loads(args.demo.read_text())
     grpo = GrpoWorkload(**real["grpo"]) if real else GrpoWorkload()
     agent = AgentWorkload(**real["agent"]) if real else AgentWorkload()
     blocks = args.blocks or (real or {}).get("num_gpu_blocks", 8192)

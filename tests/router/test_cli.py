@@ -15,6 +15,15 @@ def test_flags_override_config_fields():
     assert (cfg.router.port, cfg.router.policy, cfg.router.admission) == (9123, "round_robin", False)
 
 
+def test_policy_fields_are_flags_too(capsys):
+    args = _parser().parse_args(["serve", "--policy-parked-fraction", "0.25", "--policy-max-queue-per-replica", "8",
+                                 "--policy", "least_load"])
+    cfg = _config(args)
+    assert (cfg.policy.parked_fraction, cfg.policy.max_queue_per_replica, cfg.router.policy) == (0.25, 8, "least_load")
+    assert main(["serve", "--policy-parked-fraction", "1.5"]) == 2
+    assert "policy.parked_fraction" in capsys.readouterr().err
+
+
 def test_demo_has_no_port_or_policy_flags():
     from bench.demo_cli import parser
 
