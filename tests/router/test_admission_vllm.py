@@ -48,7 +48,7 @@ async def test_overload_admission_keeps_prefixes_and_avoids_preemption(small):
 
 
 async def test_over_capacity_is_429_with_retry_after(small):
-    cfg = AppConfig().replace(router={"port": 0, "scrape_interval_s": 0.2}, policy={"max_queue": 0})
+    cfg = AppConfig().replace(router={"port": 0, "scrape_interval_s": 0.2}, policy={"max_queue": 0, "max_queue_per_replica": 0})
     body = {"prompt": [300] * 1000, "max_tokens": 1000, "ignore_eos": True}  # 63 blocks: about half the cache
     pgid = (await small.info(small.endpoints[0].replica_id)).pid
     async with running_router(cfg, small.endpoints) as (url, app), EngineBrake(pgid) as brake:
