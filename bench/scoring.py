@@ -48,6 +48,7 @@ from rich.console import Console
 from rich.progress import Progress, TimeElapsedColumn
 from rich.table import Table
 
+from bench.argtypes import at_least
 from cache_policy.scoring import TOKEN_COST, PrefillCost, ideal_computed_tokens, reuse_costs
 from replicas.config import ReplicaSetConfig, parse_cpu_list
 from replicas.ops import reset_prefix_cache
@@ -284,15 +285,8 @@ async def main_async(args: argparse.Namespace) -> list[ShapeResult]:
     return results
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1 (``ArgumentTypeError`` naming the value otherwise)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
+positive_int = at_least(1)
+"""argparse type: an integer >= 1 (``ArgumentTypeError`` naming the value otherwise)."""
 
 
 def main() -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from bench.argtypes import at_least, non_negative
 from bench.sim.fleet import FleetConfig
 from bench.sim.report import plot, render, write_json
 from bench.sim.runs import DEFAULT_POLICIES, KINDS, ROUTERS, engine_config, execute, make_runs
@@ -57,29 +58,6 @@ def _range(s: str) -> tuple[int, int]:
     return a, b
 
 
-def _at_least(low: int):
-    """An argparse type: an integer >= ``low`` (a clear usage error otherwise)."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
-        return value
-    return parse
-
-
-def _non_negative(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
-
-
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.sim", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                                 description=__doc__ + (
@@ -91,26 +69,26 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--workloads", type=_names(list(KINDS)), default=["mixed"], help=f"any of {','.join(KINDS)}")
     p.add_argument("--policies", type=_names(list(ROUTERS)), default=DEFAULT_POLICIES,
                    help="routers to compare (ours_no_admission: ours with admission off, placement alone)")
-    p.add_argument("--requests", type=_at_least(1), default=20_000, help="engine requests per run (a fan-out counts K)")
+    p.add_argument("--requests", type=at_least(1), default=20_000, help="engine requests per run (a fan-out counts K)")
     p.add_argument("--ws-over-kv", type=_floats, default=[2.0],
                    help="live working set / fleet KV capacity (2 = caches hold half of it), e.g. 0.5,1,2; a replica "
                         "never gets less than two of the largest requests, so the table shows the ratio as sized "
                         "(a note follows the table when that floor, not the ratio, sized the caches)")
-    p.add_argument("--update-every", type=_at_least(0), default=4, help="trainer steps between weight updates (0: none)")
+    p.add_argument("--update-every", type=at_least(0), default=4, help="trainer steps between weight updates (0: none)")
     p.add_argument("--weight-policy", default="keep+salt", choices=["flush", "keep", "salt", "keep+salt"],
                    help="version policy of the mixed workload (updates runs all four)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--block-size", type=_at_least(1), default=16)
-    p.add_argument("--max-num-seqs", type=_at_least(1), default=256)
-    p.add_argument("--token-budget", type=_at_least(1), default=8192, help="max_num_batched_tokens per step")
-    p.add_argument("--group-size", type=_at_least(1), default=w.group_size)
+    p.add_argument("--block-size", type=at_least(1), default=16)
+    p.add_argument("--max-num-seqs", type=at_least(1), default=256)
+    p.add_argument("--token-budget", type=at_least(1), default=8192, help="max_num_batched_tokens per step")
+    p.add_argument("--group-size", type=at_least(1), default=w.group_size)
     p.add_argument("--groups-per-replica", type=float, default=w.groups_per_replica)
     p.add_argument("--grpo-prompt", type=_range, default=w.grpo_prompt, help="tokens, LOW-HIGH")
     p.add_argument("--sessions-per-replica", type=float, default=w.sessions_per_replica)
-    p.add_argument("--turns", type=_at_least(1), default=w.turns)
-    p.add_argument("--tool-pause-s", type=_non_negative, default=w.tool_pause_s)
+    p.add_argument("--turns", type=at_least(1), default=w.turns)
+    p.add_argument("--tool-pause-s", type=non_negative, default=w.tool_pause_s)
     p.add_argument("--contexts-per-replica", type=float, default=w.contexts_per_replica)
-    p.add_argument("--fan-out", type=_at_least(1), default=w.fan_out, help="OPD responses scored per context")
+    p.add_argument("--fan-out", type=at_least(1), default=w.fan_out, help="OPD responses scored per context")
     p.add_argument("--out", type=Path, default=Path("results/sim"))
     return p
 

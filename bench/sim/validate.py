@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.sim.cli import _at_least
+from bench.argtypes import at_least
 from bench.sim.engine import EngineConfig
 from bench.sim.fleet import Fleet, FleetConfig
 from bench.sim.ours import Ours
@@ -100,7 +100,7 @@ def simulate(name: str, policy: str, grpo: GrpoWorkload, agent: AgentWorkload, b
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.sim.validate", description=__doc__.split("\n\n")[0])
     p.add_argument("--demo", type=Path, default=Path("results/demo.json"), help="the real demo's output")
-    p.add_argument("--blocks", type=_at_least(0), default=0,
+    p.add_argument("--blocks", type=at_least(0), default=0,
                    help="KV blocks per replica (0: the demo's own num_gpu_blocks if recorded, else 8192)")
     args = p.parse_args(argv)
     if not args.demo.exists():
