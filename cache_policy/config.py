@@ -12,13 +12,13 @@ from dataclasses import fields
 
 from typing import Any
 
-from pydantic import ConfigDict, model_validator
+from pydantic import model_validator
 from pydantic.dataclasses import dataclass
 
-from cache_policy.config_errors import validate_one_line
+from cache_policy.config_errors import SECTION_CONFIG, validate_one_line
 
 
-@dataclass(frozen=True, config=ConfigDict(extra="forbid", use_attribute_docstrings=True))
+@dataclass(frozen=True, config=SECTION_CONFIG)
 class PolicyConfig:
     """Thresholds of ``cache_policy``; frozen, validated in ``__post_init__``."""
 

@@ -6,6 +6,10 @@ run :func:`validate_one_line` as a wrap validator, so any mistake (wrong type, u
 a value the section's ``__post_init__`` refuses) reads as one line naming the field, for
 example ``ReplicaSetConfig.kv_cache_space_gib: must be a whole number of GiB, got 1.5``.
 ``router.config`` swaps the owner for the YAML section (``replicas.kv_cache_space_gib``).
+
+Every section is built with :data:`SECTION_CONFIG`: strict types (a YAML ``true`` or ``'64'`` is
+no integer, a string is no number; an integer is still a number) and finite numbers only (a
+``.inf`` timeout would let a request wait forever).
 """
 
 from __future__ import annotations
@@ -13,7 +17,12 @@ from __future__ import annotations
 import re
 from typing import Any, Callable
 
-from pydantic import ValidationError
+from pydantic import ConfigDict, ValidationError
+
+SECTION_CONFIG = ConfigDict(extra="forbid", use_attribute_docstrings=True, strict=True, allow_inf_nan=False)
+"""The pydantic config of every config section: unknown keys, bools or strings where numbers are
+meant, whole-number floats where integers are meant, lists where tuples are meant (convert YAML
+lists first, as ``from_dict`` / ``from_mapping`` do) and inf/nan are refused."""
 
 _PHRASES = {
     "int_from_float": "must be a whole number",

@@ -9,10 +9,10 @@ from __future__ import annotations
 from dataclasses import field, fields
 from typing import Any, Literal, Mapping, get_args
 
-from pydantic import ConfigDict, field_validator, model_validator
+from pydantic import field_validator, model_validator
 from pydantic.dataclasses import dataclass
 
-from cache_policy.config_errors import validate_one_line
+from cache_policy.config_errors import SECTION_CONFIG, validate_one_line
 
 Engine = Literal["cpu", "gpu"]
 ENGINES: tuple[str, ...] = get_args(Engine)
@@ -27,7 +27,7 @@ class StartupError(RuntimeError):
     servers that disagree on the KV block size); the CLI prints it as one line and exits 2."""
 
 
-@dataclass(frozen=True, config=ConfigDict(extra="forbid", use_attribute_docstrings=True))
+@dataclass(frozen=True, config=SECTION_CONFIG)
 class ReplicaSetConfig:
     """A set of identical vLLM OpenAI servers, one per Ray actor (or existing ``urls``)."""
 

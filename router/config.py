@@ -16,11 +16,11 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 import yaml
-from pydantic import ConfigDict, model_validator
+from pydantic import model_validator
 from pydantic.dataclasses import dataclass
 
 from cache_policy.config import PolicyConfig
-from cache_policy.config_errors import one_line, validate_one_line
+from cache_policy.config_errors import SECTION_CONFIG, one_line, validate_one_line
 from cache_policy.policy import POLICIES
 from cache_policy.salts import WeightUpdatePolicy
 from replicas.config import ReplicaSetConfig
@@ -38,10 +38,9 @@ EventLoop = Literal["uvloop", "asyncio"]
 """The event loop ``rollout-router serve`` runs on (``router.cli``)."""
 SECTIONS = {"router": "router", "replicas": "ReplicaSetConfig", "policy": "PolicyConfig"}
 """YAML section -> the owner name its config errors start with."""
-_STRICT = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
 
-@dataclass(frozen=True, config=_STRICT)
+@dataclass(frozen=True, config=SECTION_CONFIG)
 class RouterConfig:
     """How the router listens, routes and talks to replicas."""
 
@@ -224,7 +223,7 @@ def _built(section: str, build):
         raise ValueError(message) from None
 
 
-@dataclass(frozen=True, config=_STRICT)
+@dataclass(frozen=True, config=SECTION_CONFIG)
 class AppConfig:
     """The whole deployment: the three sections of a YAML config file."""
 

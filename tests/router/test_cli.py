@@ -80,3 +80,18 @@ def test_new_edge_fields_have_flags():
     args = _parser().parse_args(["serve", "--max-n", "8", "--tenant-header", "true", "--body-timeout-s", "5"])
     cfg = _config(args)
     assert (cfg.router.max_n, cfg.router.tenant_header, cfg.router.body_timeout_s) == (8, True, 5.0)
+
+
+def test_number_flags_are_typed_by_argparse_and_must_be_finite(capsys):
+    """Flags arrive as strings; argparse's int/float types convert them before the strict config sees them."""
+    args = _parser().parse_args(["serve", "--policy-queue-timeout-s", "5", "--policy-max-queue-per-replica", "0",
+                                 "--request-timeout-s", "1e3"])
+    cfg = _config(args)
+    assert (cfg.policy.queue_timeout_s, cfg.policy.max_queue_per_replica, cfg.router.request_timeout_s) == (5.0, 0, 1e3)
+    for flag, value, name in (("--policy-queue-timeout-s", "inf", "policy.queue_timeout_s"),
+                              ("--request-timeout-s", "nan", "router.request_timeout_s")):
+        assert main(["serve", flag, value]) == 2
+        assert capsys.readouterr().err == f"rollout-router: config error: {name}: must be a finite number, got {value}\n"
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["serve", "--policy-max-queue-per-replica", "true"])
+    assert "invalid int value: 'true'" in capsys.readouterr().err

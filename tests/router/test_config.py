@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
+import typing
 from pathlib import Path
 
 import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings, strategies as st
 
+from cache_policy.config import PolicyConfig
+from replicas.config import ReplicaSetConfig
 from router.config import AppConfig, RouterConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -54,6 +61,17 @@ def test_unknown_policy_is_rejected_before_anything_starts():
     ("policy:\n  high_watermark: 2\n", "policy.high_watermark: must be in (0, 1], got 2.0"),
     ("policy:\n  max_queue: many\n", "policy.max_queue: must be an integer, got 'many'"),
     ("router: 3\n", "router: must be a mapping of settings, got 3"),
+    # strict numbers: no bools or strings (an int is a float), finite floats only
+    ("policy:\n  max_queue_per_replica: true\n", "policy.max_queue_per_replica: must be an integer, got True"),
+    ("policy:\n  max_queue_per_replica: '64'\n", "policy.max_queue_per_replica: must be an integer, got '64'"),
+    ("policy:\n  max_queue_per_replica: 64.0\n", "policy.max_queue_per_replica: must be an integer, got 64.0"),
+    ("policy:\n  queue_timeout_s: .inf\n", "policy.queue_timeout_s: must be a finite number, got inf"),
+    ("policy:\n  queue_timeout_s: .nan\n", "policy.queue_timeout_s: must be a finite number, got nan"),
+    ("policy:\n  queue_timeout_s: '30'\n", "policy.queue_timeout_s: must be a number, got '30'"),
+    ("router:\n  request_timeout_s: false\n", "router.request_timeout_s: must be a number, got False"),
+    ("router:\n  max_staleness: yes\n", "router.max_staleness: must be an integer, got True"),
+    ("replicas:\n  startup_timeout_s: -.inf\n", "replicas.startup_timeout_s: must be a finite number, got -inf"),
+    ('{"policy": {"max_queue_per_replica": true}}\n', "policy.max_queue_per_replica: must be an integer, got True"),
 ])
 def test_a_bad_value_is_one_line_naming_its_yaml_path(tmp_path, yaml_text, message):
     bad = tmp_path / "bad.yaml"
@@ -95,3 +113,57 @@ def test_choice_lists_come_from_their_owners():
     assert set(typing.get_args(hints["policy"])) == set(POLICIES)
     assert typing.get_args(hints["weight_update_policy"]) == WEIGHT_UPDATE_POLICIES
     assert typing.get_args(hints["weight_update_pause_mode"]) == PAUSE_MODES
+
+
+def test_every_shipped_config_loads():
+    paths = sorted((ROOT / "configs").glob("*.yaml"))
+    assert paths
+    for path in paths:
+        AppConfig.load(path)
+
+
+def _number_fields(kind: type) -> list[tuple[str, str, object]]:
+    """(YAML section, field, default) of every ``kind`` field (``int | None`` included) of the three sections."""
+    out = []
+    for section, cls in (("router", RouterConfig), ("replicas", ReplicaSetConfig), ("policy", PolicyConfig)):
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if kind in (typing.get_args(hints[f.name]) or (hints[f.name],)):
+                out.append((section, f.name, f.default))
+    return out
+
+
+INT_FIELDS, FLOAT_FIELDS = _number_fields(int), _number_fields(float)
+
+
+def test_the_number_fields_are_found():
+    assert ("policy", "max_queue_per_replica", 64) in INT_FIELDS and ("router", "max_staleness", None) in INT_FIELDS
+    assert ("policy", "queue_timeout_s", 30.0) in FLOAT_FIELDS and len(FLOAT_FIELDS) >= 15
+
+
+_BAD_NUMBERS = st.one_of(
+    st.tuples(st.sampled_from(INT_FIELDS + FLOAT_FIELDS),
+              st.one_of(st.booleans(), st.text(max_size=8), st.integers().map(str))),
+    st.tuples(st.sampled_from(FLOAT_FIELDS), st.sampled_from([math.inf, -math.inf, math.nan])),
+)
+"""(field, value): a bool or a string for any number field, or inf/nan for a float field."""
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=_BAD_NUMBERS)
+def test_a_bad_number_is_refused_naming_its_field(tmp_path, case):
+    (section, name, _), value = case
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({section: {name: value}}))
+    reason = "must be a finite number, got " if isinstance(value, float) else ""
+    with pytest.raises(ValueError, match=rf"^{section}\.{name}: {reason}"):
+        AppConfig.load(path)
+
+
+@pytest.mark.parametrize("section,name,default", FLOAT_FIELDS)
+def test_an_integer_is_still_a_number(tmp_path, section, name, default):
+    value = int(default) if default.is_integer() else 1  # 1 is valid for each fractional default
+    path = tmp_path / "c.yaml"
+    path.write_text(f"{section}:\n  {name}: {value}\n")
+    loaded = getattr(getattr(AppConfig.load(path), section), name)
+    assert loaded == value and type(loaded) is float
