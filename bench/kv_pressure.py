@@ -11,7 +11,8 @@ replicas and the same workload runs; reported side by side:
 * index precision and recall against the engines' real contents, per request:
   ``hit = min(predicted, cached)`` with ``predicted`` the router's expected cached tokens and
   ``cached`` the replica's ``usage.prompt_tokens_details.cached_tokens``;
-  precision = sum(hit) / sum(predicted), recall = sum(hit) / sum(cached);
+  precision = sum(hit) / sum(predicted), recall = sum(hit) / sum(cached); both ``n/a`` for a
+  router without a prefix index (round-robin), which predicts nothing;
 * p50 / p99 turn latency (client side, every request).
 
     flock /tmp/vllm.lock .venv/bin/python -m bench.kv_pressure            # starts 2 replicas
@@ -48,6 +49,12 @@ ROUTERS: dict[str, dict] = {
     "predicted": {"policy": "prefix_affinity", "kv_events": False},
     "event-fed": {"policy": "prefix_affinity", "kv_events": True},
 }
+
+
+def has_index(name: str) -> bool:
+    """Whether router ``name`` keeps a prefix index (``DecisionCore.prefix_index``: only
+    prefix_affinity does); without one its precision and recall are not 0 but undefined."""
+    return ROUTERS[name]["policy"] == "prefix_affinity"
 
 
 @dataclass(frozen=True)
@@ -149,8 +156,10 @@ async def run_one(name: str, cfg: AppConfig, endpoints: Sequence[ReplicaEndpoint
 
 def summarize(name: str, records: list[RequestRecord], before: dict[str, VllmMetrics],
               after: dict[str, VllmMetrics], wall: float) -> PressureResult:
-    """Counters diffed per replica; precision/recall from each request's prediction and report."""
+    """Counters diffed per replica; precision/recall from each request's prediction and report
+    (None, printed ``n/a``, when there is nothing to divide by or ``name`` has no index)."""
     diffs = [delta(after[rid], before[rid]) for rid in after]
+    indexed = has_index(name)
     prompt = sum(d.prompt_tokens for d in diffs)
     predicted = sum(r.expected_cached_tokens for r in records)
     cached = sum(r.cached_tokens for r in records)
@@ -160,8 +169,8 @@ def summarize(name: str, records: list[RequestRecord], before: dict[str, VllmMet
         router=name, requests=len(records), prompt_tokens=prompt,
         prefilled_tokens=prompt - sum(d.prefix_cache_hits for d in diffs),
         preemptions=sum(d.num_preemptions for d in diffs),
-        precision=round(hit / predicted, 4) if predicted else None,
-        recall=round(hit / cached, 4) if cached else None,
+        precision=round(hit / predicted, 4) if indexed and predicted else None,
+        recall=round(hit / cached, 4) if indexed and cached else None,
         predicted_tokens=predicted, cached_tokens=cached,
         p50_s=round(statistics.median(lat), 3), p99_s=round(lat[min(len(lat) - 1, int(0.99 * len(lat)))], 3),
         wall_s=round(wall, 1))
