@@ -12,17 +12,14 @@ import contextlib
 import json
 import random
 
-import aiohttp
 import pytest
-import pytest_asyncio
 
 from replicas.tiny_model import TinyModelSpec, ensure_tiny_model
-from replicas.weights import update_weights
 from router import keys
 from router.config import AppConfig
 from router.server import running_router
 from tests.engine_brake import EngineBrake, phase_reached, relaying
-from tests.router.small_replica import small_replica
+from tests.router.small_replica import weight_test_fixtures
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="session")]
 
@@ -35,18 +32,7 @@ LOGPROB_ATOL = 1e-4
 """Same engine, same weights, same kernels: a fresh computation matches to float32 rounding."""
 
 
-@pytest_asyncio.fixture(scope="session", loop_scope="session")
-async def small():
-    async with small_replica() as replica_set:
-        yield replica_set
-
-
-@pytest_asyncio.fixture(loop_scope="session")
-async def http(small):
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300), middlewares=(small.auth,)) as session:
-        result = await update_weights(session, small.endpoints[0].base_url, SEED0, reset_prefix_cache=True)
-        assert result.ok, result
-        yield session
+small, http = weight_test_fixtures("session", SEED0)
 
 
 @contextlib.asynccontextmanager

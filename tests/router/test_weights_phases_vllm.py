@@ -13,16 +13,15 @@ import random
 
 import aiohttp
 import pytest
-import pytest_asyncio
 
 from replicas.tiny_model import TinyModelSpec, ensure_tiny_model
-from replicas.weights import ReplicaControl, update_weights
+from replicas.weights import ReplicaControl
 from replicas.weights_http import call
 from router import keys
 from router.config import AppConfig
 from router.server import running_router
 from tests.engine_brake import EngineBrake
-from tests.router.small_replica import small_replica
+from tests.router.small_replica import weight_test_fixtures
 from tests.router.weights_check import Claim, verify
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="session")]
@@ -32,18 +31,7 @@ ADMIN = {"Authorization": f"Bearer {TOKEN}"}
 CKPT = {0: str(ensure_tiny_model(spec=TinyModelSpec(seed=0))), 1: str(ensure_tiny_model(spec=TinyModelSpec(seed=1)))}
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def small():
-    async with small_replica() as replica_set:
-        yield replica_set
-
-
-@pytest_asyncio.fixture(loop_scope="session")
-async def http(small):
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300), middlewares=(small.auth,)) as session:
-        result = await update_weights(session, small.endpoints[0].base_url, CKPT[0], reset_prefix_cache=True)
-        assert result.ok, result
-        yield session
+small, http = weight_test_fixtures("module", CKPT[0])
 
 
 def config(**router) -> AppConfig:

@@ -13,17 +13,14 @@ from __future__ import annotations
 import asyncio
 import random
 
-import aiohttp
 import pytest
-import pytest_asyncio
 
 from replicas.tiny_model import TinyModelSpec, ensure_tiny_model
-from replicas.weights import update_weights
 from replicas.weights_http import call
 from router.config import AppConfig
 from router.server import running_router
 from tests.engine_brake import EngineBrake, phase_reached, relaying
-from tests.router.small_replica import small_replica
+from tests.router.small_replica import weight_test_fixtures
 from tests.router.weights_check import Claim, read_events, stream_claims, verify
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="session")]
@@ -37,18 +34,7 @@ GROUP = 2
 CKPT = {0: str(ensure_tiny_model(spec=TinyModelSpec(seed=0))), 1: str(ensure_tiny_model(spec=TinyModelSpec(seed=1)))}
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def small():
-    async with small_replica() as replica_set:
-        yield replica_set
-
-
-@pytest_asyncio.fixture(loop_scope="session")
-async def http(small):
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300), middlewares=(small.auth,)) as session:
-        result = await update_weights(session, small.endpoints[0].base_url, CKPT[0], reset_prefix_cache=True)
-        assert result.ok, result
-        yield session
+small, http = weight_test_fixtures("module", CKPT[0])
 
 
 def tokens(seed: int, n: int) -> list[int]:
