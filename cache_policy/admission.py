@@ -48,7 +48,7 @@ class AdmissionDecision:
     """What to do with one request.
 
     ``reason``: ``idle``, ``under_watermark``, ``under_in_flight_cap`` (admit);
-    ``kv_watermark``, ``in_flight_cap``, ``queued_behind`` (queue or reject);
+    ``kv_watermark``, ``parked_prefix``, ``in_flight_cap``, ``queued_behind`` (queue or reject);
     ``queue_full`` (reject). ``retry_after_s`` is set on reject only. ``displaced`` is a
     lower-priority queued request pushed out to make room: the caller rejects it (429).
     """
@@ -104,19 +104,23 @@ def projected_usage(replica: ReplicaView, pending_blocks: int, new_blocks: int) 
 
 
 def fits(
-    replica: ReplicaView, pending_blocks: int, new_blocks: int, cfg: PolicyConfig
+    replica: ReplicaView, pending_blocks: int, new_blocks: int, cfg: PolicyConfig, guard_blocks: int = 0,
 ) -> tuple[bool, str, float | None]:
     """Whether ``new_blocks`` fit on ``replica`` now: ``(ok, reason, projected usage)``.
 
     An idle replica (nothing in flight or pending) always admits, so a request larger
     than the watermark still runs. With unknown capacity, admit while
-    ``in_flight < max_in_flight_per_replica``.
+    ``in_flight < max_in_flight_per_replica``. ``guard_blocks``: blocks to leave free beyond
+    the watermark so parked prefixes survive eviction (``AdmissionState.parked_guard``;
+    reason ``parked_prefix`` when only they stand in the way).
     """
     usage = projected_usage(replica, pending_blocks, new_blocks)
     if replica.in_flight == 0 and pending_blocks == 0:
         return True, "idle", usage
     if usage is not None:
         ok = usage <= cfg.high_watermark + _EPS
+        if ok and guard_blocks and usage + guard_blocks / replica.num_gpu_blocks > cfg.high_watermark + _EPS:
+            return False, "parked_prefix", usage
         return ok, "under_watermark" if ok else "kv_watermark", usage
     ok = replica.in_flight < cfg.max_in_flight_per_replica
     return ok, "under_in_flight_cap" if ok else "in_flight_cap", None
@@ -182,7 +186,7 @@ class AdmissionQueue:
 
     def admit(
         self, request: AdmissionRequest, replica: ReplicaView, pending_blocks: int, *,
-        with_group: bool = False,
+        with_group: bool = False, guard_blocks: int = 0,
     ) -> AdmissionDecision:
         """Admit ``request`` now, queue it (the queue keeps it) or reject it.
 
@@ -197,7 +201,7 @@ class AdmissionQueue:
             raise ValueError(
                 f"replica {replica.replica_id!r} is not the request's {request.replica_id!r}"
             )
-        ok, reason, usage = fits(replica, pending_blocks, request.new_blocks, self.cfg)
+        ok, reason, usage = fits(replica, pending_blocks, request.new_blocks, self.cfg, guard_blocks)
         if self._store.has_waiting(request.replica_id, request.priority):
             ok, reason = False, "queued_behind"
         if ok:
@@ -231,6 +235,7 @@ class AdmissionQueue:
     def pop_admissible(
         self, replicas: Sequence[ReplicaView], pending: Mapping[ReplicaId, int], now: float,
         group_running: Callable[[str | None, ReplicaId], bool] = lambda g, r: False,
+        guards: Mapping[ReplicaId, int] | None = None,
     ) -> list[AdmissionRequest]:
         """Remove and return the queued requests that fit now, in service order.
 
@@ -248,6 +253,7 @@ class AdmissionQueue:
         blocked: set[ReplicaId] = set()
         groups: set[tuple[str | None, ReplicaId]] = set()  # groups with a member taken in this pass
         taken: list[AdmissionRequest] = []
+        joined: dict[int, AdmissionRequest] = {}  # members admitted with their running group
         for req in self._store.in_order():
             rid = req.replica_id
             view = views.get(rid)
@@ -257,14 +263,18 @@ class AdmissionQueue:
             if rid in blocked and not joins:
                 continue
             now_view = replace(view, in_flight=view.in_flight + extra_in_flight[rid])
-            if not joins and not fits(now_view, extra_blocks[rid], req.new_blocks, self.cfg)[0]:
+            guard = guards.get(rid, 0) if guards and req.priority != "continuing_session" else 0
+            if not joins and not fits(now_view, extra_blocks[rid], req.new_blocks, self.cfg, guard)[0]:
                 blocked.add(rid)
                 continue
             taken.append(req)
+            if joins:
+                joined[id(req)] = req.joined()
             groups.add((req.group_id, rid))
-            extra_blocks[rid] += req.new_blocks
+            extra_blocks[rid] += joined[id(req)].new_blocks if joins else req.new_blocks
             extra_in_flight[rid] += 1
         self._store.remove(taken, served=True)
+        taken = [joined.get(id(r), r) for r in taken]
         for req in taken:
             wait = max(0.0, now - req.enqueued_at)
             self._wait_s = wait if self._wait_s is None else self._wait_s + WAIT_WEIGHT * (wait - self._wait_s)

@@ -11,7 +11,10 @@ A replica with nothing in flight admits the first queued request whatever the pr
 
 from __future__ import annotations
 
+import bisect
 import itertools
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -32,7 +35,7 @@ class Admission:
 
     ``verdict``: admit (``ticket`` set), queue (wait for a pump), reject (429 with
     ``retry_after_s``). ``reason``: idle, under_watermark, under_in_flight_cap (admit);
-    kv_watermark, in_flight_cap, queued_behind (queue); queue_full, timeout, displaced
+    kv_watermark, parked_prefix, in_flight_cap, queued_behind (queue); queue_full, timeout, displaced
     (reject); replica_gone (the replica it waited for left: place it again).
     """
 
@@ -92,10 +95,13 @@ class AdmissionState:
         self._unparked_at = float("-inf")
 
     def request(self, rid: ReplicaId, total_blocks: int, matched_blocks: int, session_id: str | None,
-                group_id: str | None, requests: int, now: float, request_id: str = "") -> AdmissionRequest:
+                group_id: str | None, requests: int, now: float, request_id: str = "",
+                prompt_blocks: int = 0) -> AdmissionRequest:
         """The queue's view of a request of ``total_blocks`` at its peak, ``matched_blocks`` of them
         expected cached: its priority and the blocks it adds to the projection. Marks its session
-        and group seen (a group's later members are a started group's)."""
+        and group seen (a group's later members are a started group's). ``prompt_blocks``: its
+        full prompt blocks, which a GRPO member shares with its group (see
+        ``AdmissionRequest.joined_holds``)."""
         idle = self.cfg.session_idle_s
         live = self.registry.is_live("session", session_id, now, idle)
         started = self.registry.is_live("group", group_id, now, idle)
@@ -106,15 +112,63 @@ class AdmissionState:
         priority = classify(live, started, self.queue.has_group(group_id))
         holds = total_blocks - min(matched_blocks, total_blocks) if started and not live else total_blocks
         counted = min(self.registry.parked_of(session_id, rid), total_blocks)
+        joined = total_blocks - min(max(matched_blocks, prompt_blocks), total_blocks) if group_id is not None else None
         return AdmissionRequest(rid, max(0, holds - counted), priority, session_id, now, request_id, holds, requests,
-                                group_id)
+                                group_id, joined, None if joined is None else max(0, joined - counted))
 
-    def ask(self, request: AdmissionRequest, view: ReplicaView, now: float) -> tuple[Admission, list[AdmissionRequest]]:
-        """Admit, queue (the queue keeps ``request``) or reject; also the requests it displaced."""
+    def parked_guard(self, view: ReplicaView, freed: int | None) -> int:
+        """Blocks new work must leave free on ``view``'s replica beyond the watermark budget so
+        that the prefixes parked there survive vLLM's eviction order (0: none needed or known).
+
+        A parked prefix sits in the engine's free queue; every block new work allocates is taken
+        from the queue's head, the oldest freed first (``cache_policy.free_queue``). Counting the
+        prefix against the watermark keeps room for it, but not its place in the queue: blocks
+        of finished work freed after it are evicted after it. Its deepest block, of rank
+        ``k = freed - stamp`` from the tail, survives while the requests in flight hold at most
+        ``capacity - 1 - k`` blocks at their peak; new work (not a parked session's own next
+        turn) is admitted only within that. A prefix already past saving (its rank above the
+        free blocks left at the current peak) stops counting: refusing work cannot keep it.
+        ``freed``: the replica's ``FreeQueueModel.freed`` counter (None: no model, no guard)."""
+        cap = view.num_gpu_blocks
+        if not cap or freed is None or not self.enabled:
+            return 0
+        rid = view.replica_id
+        committed = self.ledger.committed(rid) + self.ledger.peer(rid).committed
+        for rec in self.registry.parked_on(rid):
+            if rec.parked_stamp is None:
+                continue
+            rank = freed - rec.parked_stamp - rec.parked_touched
+            if rank > cap - 1 - committed:
+                self.registry.drop_parked(rec)
+                continue
+            budget = self.cfg.high_watermark * cap - self.registry.parked_blocks(view.replica_id)
+            return max(0, math.ceil(budget - (cap - 1 - rank)))
+        return 0
+
+    def touched(self, rid: ReplicaId, stamps: list[int]) -> None:
+        """A request took free blocks released at ``stamps`` out of ``rid``'s free queue (its
+        prefix hit): each parked prefix released before them moves that many places closer to
+        the tail (``FreeQueueModel.hold``). Counting a resumed session's own prefix as allocation
+        instead declared older parked prefixes lost that the engine still held."""
+        if not stamps:
+            return
+        stamps = sorted(stamps)
+        for rec in self.registry.parked_on(rid):
+            if rec.parked_stamp is not None:
+                rec.parked_touched += len(stamps) - bisect.bisect_right(stamps, rec.parked_stamp)
+
+    def ask(self, request: AdmissionRequest, view: ReplicaView, now: float,
+            freed: int | None = None) -> tuple[Admission, list[AdmissionRequest]]:
+        """Admit, queue (the queue keeps ``request``) or reject; also the requests it displaced.
+        ``freed``: the replica's free-queue counter (see :meth:`parked_guard`)."""
         if not self.enabled:
             return self._admit(request, now, waited=False), []
         with_group = self.ledger.group_running(request.group_id, request.replica_id)
-        decision = self.queue.admit(request, project(view, self.ledger, self.registry), 0, with_group=with_group)
+        if with_group:
+            request = request.joined()
+        guard = self.parked_guard(view, freed) if request.priority != "continuing_session" else 0
+        decision = self.queue.admit(request, project(view, self.ledger, self.registry), 0, with_group=with_group,
+                                    guard_blocks=guard)
         displaced = [decision.displaced] if decision.displaced is not None else []
         if decision.verdict == "admit":
             return self._admit(request, now, waited=False), displaced
@@ -122,29 +176,36 @@ class AdmissionState:
             return Admission("reject", decision.reason, decision.retry_after_s), displaced
         return Admission("queue", decision.reason), displaced
 
-    def release(self, ticket: Ticket, now: float, *, park: bool = True, capacity: int = 0) -> None:
+    def release(self, ticket: Ticket, now: float, *, park: bool = True, capacity: int = 0,
+                stamp: int | None = None) -> None:
         """The request ended: free its blocks; park its session's prefix (unless ``park`` is False)
-        within :func:`parked_limit` of the replica's ``capacity`` blocks (0: unknown, no limit)."""
+        within :func:`parked_limit` of the replica's ``capacity`` blocks (0: unknown, no limit);
+        ``stamp``: the replica's free-queue counter before its blocks were released."""
         self.ledger.release(ticket)
         if ticket.session_id is not None:
             self.registry.seen("session", ticket.session_id, now)
             if park:
                 self.registry.park(ticket.session_id, ticket.replica_id, ticket.blocks,
-                                   parked_limit(self.cfg, capacity))
+                                   parked_limit(self.cfg, capacity), stamp)
 
     def expire(self, now: float) -> list[AdmissionRequest]:
         """Queued requests past ``queue_timeout_s`` (reject them: 429)."""
         return self.queue.expire(now)
 
-    def pump(self, views: list[ReplicaView], now: float) -> list[tuple[AdmissionRequest, Admission]]:
+    def pump(self, views: list[ReplicaView], now: float,
+             freed: Mapping[ReplicaId, int] | None = None) -> list[tuple[AdmissionRequest, Admission]]:
         """Admit every queued request that fits now, in service order. ``views``: replicas in
-        rotation (an unhealthy or absent replica's requests stay queued)."""
+        rotation (an unhealthy or absent replica's requests stay queued); ``freed``: their
+        free-queue counters (see :meth:`parked_guard`)."""
         if now - self._unparked_at >= UNPARK_EVERY_S:  # a sweep over every session: amortized
             self._unparked_at = now
             waiting = {r.session_id for r in self.queue.waiting() if r.session_id is not None}
             self.registry.unpark_idle(now, self.cfg.session_idle_s, waiting)
+        freed = freed or {}
+        guards = {v.replica_id: self.parked_guard(v, freed.get(v.replica_id)) for v in views}
         projected = [project(v, self.ledger, self.registry) for v in views]
-        taken = self.queue.pop_admissible(projected, {}, now, group_running=self.ledger.group_running)
+        taken = self.queue.pop_admissible(projected, {}, now, group_running=self.ledger.group_running,
+                                          guards=guards)
         return [(r, self._admit(r, now, waited=True)) for r in taken]
 
     def retry_after_s(self, now: float) -> float:

@@ -388,14 +388,15 @@ class DecisionCore:
         rid = job.decision.replica_id
         total = self._footprint(job)
         request = self.admission.request(rid, total, job.decision.matched_blocks, job.spec.session_id,
-                                         job.spec.group_id, job.spec.fan_out, now, str(job.id))
+                                         job.spec.group_id, job.spec.fan_out, now, str(job.id),
+                                         job.view.num_prompt_tokens // self.block_size)
         self._expire(now)
-        adm, displaced = self.admission.ask(request, self._view(rid), now)
+        adm, displaced = self.admission.ask(request, self._view(rid), now, self.free_queue.freed(rid))
         for victim in displaced:
             self._refuse(self._jobs.pop(victim.request_id), "displaced", now)
         job.admission = adm
         if adm.verdict == "admit":
-            self.free_queue.hold(rid, job.view.block_hashes)
+            self.admission.touched(rid, self.free_queue.hold(rid, job.view.block_hashes))
         elif adm.verdict == "queue":
             job.queued = request
             self._jobs[str(job.id)] = job
@@ -411,11 +412,13 @@ class DecisionCore:
         waiting = {r.replica_id for r in self.admission.queue.waiting()}  # only their views are needed
         views = self._views_of([rid for rid in waiting if rid in self.replicas and self.replicas[rid].healthy
                                 and rid not in self.versions.rotation])
-        for request, adm in self.admission.pump(views, now):
+        freed = {v.replica_id: self.free_queue.freed(v.replica_id) for v in views}
+        for request, adm in self.admission.pump(views, now, freed):
             job = self._jobs.pop(request.request_id)
             job.queued, job.admission = None, adm
             self._refresh_expected(job, now)  # evictions seen while it waited (KV events) count
-            self.free_queue.hold(job.decision.replica_id, job.view.block_hashes)
+            rid = job.decision.replica_id
+            self.admission.touched(rid, self.free_queue.hold(rid, job.view.block_hashes))
             self._outbox.append((job, adm))
         out, self._outbox = self._outbox, []
         return out
@@ -436,7 +439,8 @@ class DecisionCore:
             self.policy.on_finished(job.view, rid)
             if job.ticket is not None:
                 capacity = self._raw_view(rid).num_gpu_blocks if rid in self.replicas else 0
-                self.admission.release(job.ticket, now, park=outcome == "ok", capacity=capacity)
+                self.admission.release(job.ticket, now, park=outcome == "ok", capacity=capacity,
+                                       stamp=self.free_queue.freed(rid))
                 generated = job.spec.new_tokens if job.generated_tokens is None else job.generated_tokens
                 full = (job.view.num_prompt_tokens + generated) // self.block_size  # a partial block goes to the head
                 self.free_queue.release(rid, job.view.block_hashes, full, capacity,

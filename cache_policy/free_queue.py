@@ -53,12 +53,17 @@ class FreeQueueModel:
     def __init__(self) -> None:
         self._replicas: dict[ReplicaId, _ReplicaQueue] = {}
 
-    def hold(self, rid: ReplicaId, hashes: Sequence[BlockHash]) -> None:
-        """A request with prompt blocks ``hashes`` was dispatched to ``rid``: they leave the free queue."""
+    def hold(self, rid: ReplicaId, hashes: Sequence[BlockHash]) -> list[int]:
+        """A request with prompt blocks ``hashes`` was dispatched to ``rid``: they leave the free
+        queue. Returns the stamps of those that were in it (a hit taken from the queue makes every
+        older free block's rank from the tail one smaller; see ``AdmissionState.parked_guard``)."""
         q = self._replicas.get(rid)
         if q is None:
             q = self._replicas[rid] = _ReplicaQueue()
-        q.refs.update(hashes)
+        refs, stamps = q.refs, q.stamps
+        taken = [stamps[h] for h in hashes if h not in refs and h in stamps]
+        refs.update(hashes)
+        return taken
 
     def release(self, rid: ReplicaId, hashes: Sequence[BlockHash], footprint_blocks: int, capacity_blocks: int,
                 *, prefilled: bool = True) -> None:
@@ -112,6 +117,11 @@ class FreeQueueModel:
                 return n
             prev = stamp
         return matched
+
+    def freed(self, rid: ReplicaId) -> int | None:
+        """Blocks appended to ``rid``'s free queue so far (None: nothing dispatched there yet)."""
+        q = self._replicas.get(rid)
+        return q.freed if q is not None else None
 
     def held(self, rid: ReplicaId) -> int:
         """Distinct blocks requests in flight hold on ``rid``."""

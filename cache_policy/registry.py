@@ -40,6 +40,12 @@ class KeyRecord:
     touched: float = float("-inf")
     start_version: int | None = None
     parked: tuple[ReplicaId, int] | None = None
+    parked_stamp: int | None = None
+    """The replica's free-queue counter just before the prefix was released
+    (``FreeQueueModel.freed``): ``freed - parked_stamp - parked_touched`` bounds the rank of
+    its deepest block from the queue's tail."""
+    parked_touched: int = 0
+    """Blocks released after the prefix and taken out of the free queue since (hits)."""
 
     def __post_init__(self) -> None:
         assert self.own_in_flight >= 0 and self.in_flight >= 0, "bug: negative in-flight count"
@@ -155,7 +161,8 @@ class KeyRegistry:
         rec = self._records.get((kind, key)) if key is not None else None
         return rec is not None and now - rec.last_seen <= idle_s
 
-    def park(self, session_id: str, replica: ReplicaId, blocks: int, limit: int | None = None) -> None:
+    def park(self, session_id: str, replica: ReplicaId, blocks: int, limit: int | None = None,
+             stamp: int | None = None) -> None:
         """Session ``session_id`` holds ``blocks`` of prefix on ``replica`` between turns.
 
         With ``limit``, parked prefixes on ``replica`` count at most ``limit`` blocks: the oldest
@@ -164,7 +171,7 @@ class KeyRegistry:
         rec = self.touch("session", session_id)
         self._unpark(rec)
         if rec.in_flight == 0:
-            rec.parked = (replica, blocks)
+            rec.parked, rec.parked_stamp, rec.parked_touched = (replica, blocks), stamp, 0
             self._parked_sum[replica] = self._parked_sum.get(replica, 0) + blocks
             self._parked_order.setdefault(replica, OrderedDict())[id(rec)] = rec
             while limit is not None and self._parked_sum.get(replica, 0) > limit:
@@ -180,6 +187,14 @@ class KeyRegistry:
         """Blocks ``session_id`` has parked on ``replica`` (0 elsewhere or when none)."""
         rec = self._records.get(("session", session_id)) if session_id is not None else None
         return rec.parked[1] if rec is not None and rec.parked and rec.parked[0] == replica else 0
+
+    def parked_on(self, replica: ReplicaId) -> list[KeyRecord]:
+        """Records of the sessions parked on ``replica``, oldest parked first (read-only use)."""
+        return list(self._parked_order.get(replica, {}).values())
+
+    def drop_parked(self, rec: KeyRecord) -> None:
+        """Stop counting ``rec``'s parked prefix (the engine will have evicted it)."""
+        self._unpark(rec)
 
     def parked_blocks(self, replica: ReplicaId) -> int:
         """Blocks all parked sessions hold on ``replica``."""

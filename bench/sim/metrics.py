@@ -43,6 +43,8 @@ class Recorder:
         self.seen: set[int] = set()
         self.ideal_prefill = 0
         self.prompt_tokens = 0
+        self.by_kind: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
+        """Per workload (grpo, agent, opd): [prompt tokens, prefilled tokens, ideal prefilled tokens]."""
         self.windows: dict[int, list[int]] = defaultdict(lambda: [0, 0])
         self.latency: dict[str, list[float]] = defaultdict(list)
         self.updates: list[tuple[float, int]] = []
@@ -67,11 +69,15 @@ class Recorder:
                 break
             hit += 1
         self.ideal_prefill += r.prompt_tokens - hit * self.bs
+        self.by_kind[r.payload.item.workload][2] += r.prompt_tokens - hit * self.bs
         self.prompt_tokens += r.prompt_tokens
         seen.update(r.hashes[:n_prompt])
 
     def finished(self, r: SimRequest, replica: str, now: float) -> None:
         self.seen.update(h for h in r.hashes[r.prompt_tokens // self.bs:] if h < _SYNTHETIC)
+        kind = self.by_kind[r.payload.item.workload]
+        kind[0] += r.prompt_tokens
+        kind[1] += r.prompt_tokens - r.cached_tokens
         w = self.windows[int(r.arrival_s // self.cfg.bucket_s)]
         w[0] += r.prompt_tokens
         w[1] += r.cached_tokens
@@ -114,6 +120,9 @@ class Recorder:
             "decision_us": 1e6 * self.decision_s / max(1, self.decisions), "decisions": self.decisions,
             "place_admit_us": 1e6 * (self.decision_s - self.open_s) / max(1, self.decisions),
             "router_other_s": self.other_s, "sim_s": self.end_s,
+            "by_workload": {k: {"prompt_tokens": v[0], "prefilled_tokens": v[1], "ideal_prefilled_tokens": v[2],
+                                "prefilled_over_ideal": v[1] / v[2] if v[2] else float("nan")}
+                            for k, v in sorted(self.by_kind.items())},
         }
 
     def hit_series(self) -> tuple[list[float], list[float]]:

@@ -37,6 +37,13 @@ def render(rows: list[dict], console: Console) -> None:
     for row in rows:
         table.add_row(*(_cell(row, k, f) for _, k, f in COLUMNS))
     console.print(table)
+    by_kind = [r for r in rows if len(r.get("by_workload") or {}) > 1]
+    if by_kind:
+        console.print("prefilled/ideal by workload (the clients are closed-loop: the mix a run serves depends on the router)")
+        for r in by_kind:
+            console.print(f"  N={r['scale']} ws/kv={r['ws_over_kv_actual']:.2f} {r['policy']}: " + ", ".join(
+                f"{k} {v['prefilled_over_ideal']:.3f} ({v['prompt_tokens'] / 1e6:.2f}M prompt)"
+                for k, v in r["by_workload"].items()))
     cost = defaultdict(dict)
     for row in rows:
         cost[row["policy"]][row["scale"]] = row["place_admit_us"]

@@ -221,3 +221,77 @@ def test_group_members_join_their_running_group_whatever_the_watermark(fake_cloc
     core.finish(second, "ok", fake_clock.now())
     assert not core.admission.ledger.group_running("g", A)
     core.check_integrity()
+
+
+def test_a_group_admitted_after_waiting_counts_its_prompt_once(fake_clock):
+    core = make()
+    held, _ = ask(core, fake_clock, 80)
+    prompt = tokens(11)[:32 * 10 + 16]  # 10 full blocks + a partial one: 11 at the peak
+    members = [ask(core, fake_clock, 11, group="g", prompt=prompt)[0] for _ in range(4)]
+    core.finish(held, "ok", fake_clock.now())
+    admitted = core.pump(fake_clock.now())
+    assert [job for job, _ in admitted] == members
+    # the first brings the prompt; the rest hold only the block beyond it (placed while the first
+    # waited, they found nothing cached and each reserved the whole prompt: 44 blocks, not 14)
+    assert [adm.ticket.blocks for _, adm in admitted] == [11, 1, 1, 1]
+    assert core.admission.ledger.committed(A) == 14
+    core.check_integrity()
+
+
+def park_session(core, clock, sid: str, blocks: int) -> list[int]:
+    """Run one turn of ``sid`` of ``blocks`` blocks to completion; return its prompt."""
+    prompt = tokens(blocks)
+    job, adm = ask(core, clock, blocks, session=sid, prompt=prompt)
+    assert adm.verdict == "admit"
+    core.finish(job, "ok", clock.now())
+    return prompt
+
+
+def test_new_work_waits_rather_than_evict_a_parked_prefix_from_the_free_queue(fake_clock):
+    # 100 blocks. s parks 10 (free-queue stamp 0); 40 blocks of other work run and finish
+    # after it, so its deepest block has 50 free blocks queued behind it: it survives while
+    # the work in flight holds at most 100 - 1 - 50 = 49 blocks (vLLM evicts the queue's head).
+    core = make()
+    prompt = park_session(core, fake_clock, "s", 10)
+    other, _ = ask(core, fake_clock, 40)
+    core.finish(other, "ok", fake_clock.now())
+    small, _ = ask(core, fake_clock, 1)
+    _, fits = ask(core, fake_clock, 48)  # 1 + 48 = 49: s survives
+    _, evicts = ask(core, fake_clock, 1)  # 50 > 49: under the watermark, but it would evict s
+    assert fits.verdict == "admit" and (evicts.verdict, evicts.reason) == ("queue", "parked_prefix")
+    assert core.admission.queue.waiting()[0].priority == "new"
+    # s's own next turn goes ahead (its prefix is in use from then on)
+    turn, adm = ask(core, fake_clock, 12, session="s", prompt=tokens(12, prompt))
+    assert adm.verdict == "admit"
+    core.check_integrity()
+
+
+def test_a_parked_prefix_past_saving_stops_holding_back_new_work(fake_clock):
+    core = make()
+    park_session(core, fake_clock, "s", 10)
+    for _ in range(3):  # 90 blocks released after s: its deepest block is 100th from the tail
+        job, _ = ask(core, fake_clock, 30)
+        core.finish(job, "ok", fake_clock.now())
+    assert core.registry.parked_of("s", A) == 10
+    small, _ = ask(core, fake_clock, 1)
+    _, adm = ask(core, fake_clock, 60)  # 1 + 10 + 60 <= 85: only the lost prefix stood in the way
+    assert adm.verdict == "admit" and core.registry.parked_of("s", A) == 0
+    core.check_integrity()
+
+
+def test_a_hit_behind_a_parked_prefix_moves_it_toward_the_tail(fake_clock):
+    # t parks after s; t's next turn takes t's 20 blocks out of the free queue: s's rank from
+    # the tail drops by 20 (counted as allocation, s was declared lost while the engine held it)
+    core = make()
+    park_session(core, fake_clock, "s", 10)
+    t_prompt = park_session(core, fake_clock, "t", 20)
+    other, _ = ask(core, fake_clock, 30)
+    core.finish(other, "ok", fake_clock.now())  # s: rank 60, t: rank 50
+    t_turn, adm = ask(core, fake_clock, 22, session="t", prompt=tokens(22, t_prompt))
+    assert adm.verdict == "admit"
+    # in flight: t's 22 blocks; s's rank 60 - 20 = 40: new work may bring the peak to 59
+    _, fits = ask(core, fake_clock, 37)
+    assert fits.verdict == "admit" and core.registry.parked_of("s", A) == 10
+    _, evicts = ask(core, fake_clock, 1)
+    assert evicts.verdict == "queue"
+    core.check_integrity()
