@@ -48,7 +48,8 @@ class AdmissionDecision:
     """What to do with one request.
 
     ``reason``: ``idle``, ``under_watermark``, ``under_in_flight_cap`` (admit);
-    ``kv_watermark``, ``parked_prefix``, ``in_flight_cap``, ``queued_behind`` (queue or reject);
+    ``kv_watermark``, ``parked_prefix``, ``session_budget``, ``in_flight_cap``, ``queued_behind``
+    (queue or reject);
     ``queue_full`` (reject). ``retry_after_s`` is set on reject only. ``displaced`` is a
     lower-priority queued request pushed out to make room: the caller rejects it (429).
     """
@@ -186,7 +187,7 @@ class AdmissionQueue:
 
     def admit(
         self, request: AdmissionRequest, replica: ReplicaView, pending_blocks: int, *,
-        with_group: bool = False, guard_blocks: int = 0,
+        with_group: bool = False, guard_blocks: int = 0, sessions_full: bool = False,
     ) -> AdmissionDecision:
         """Admit ``request`` now, queue it (the queue keeps it) or reject it.
 
@@ -202,6 +203,8 @@ class AdmissionQueue:
                 f"replica {replica.replica_id!r} is not the request's {request.replica_id!r}"
             )
         ok, reason, usage = fits(replica, pending_blocks, request.new_blocks, self.cfg, guard_blocks)
+        if sessions_full and request.opens_session:
+            ok, reason = False, "session_budget"
         if self._store.has_waiting(request.replica_id, request.priority):
             ok, reason = False, "queued_behind"
         if ok:
@@ -236,6 +239,7 @@ class AdmissionQueue:
         self, replicas: Sequence[ReplicaView], pending: Mapping[ReplicaId, int], now: float,
         group_running: Callable[[str | None, ReplicaId], bool] = lambda g, r: False,
         guards: Mapping[ReplicaId, int] | None = None,
+        sessions_full: set[ReplicaId] | frozenset[ReplicaId] = frozenset(),
     ) -> list[AdmissionRequest]:
         """Remove and return the queued requests that fit now, in service order.
 
@@ -264,7 +268,8 @@ class AdmissionQueue:
                 continue
             now_view = replace(view, in_flight=view.in_flight + extra_in_flight[rid])
             guard = guards.get(rid, 0) if guards and req.priority != "continuing_session" else 0
-            if not joins and not fits(now_view, extra_blocks[rid], req.new_blocks, self.cfg, guard)[0]:
+            if not joins and (req.opens_session and rid in sessions_full
+                              or not fits(now_view, extra_blocks[rid], req.new_blocks, self.cfg, guard)[0]):
                 blocked.add(rid)
                 continue
             taken.append(req)

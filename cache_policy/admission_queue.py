@@ -57,6 +57,11 @@ class AdmissionRequest:
     joined_new_blocks: int | None = None
     """``new_blocks`` likewise (see :attr:`joined_holds`)."""
 
+    @property
+    def opens_session(self) -> bool:
+        """The first request of a session (or one whose session went idle): it adds a session."""
+        return self.session_id is not None and self.priority != "continuing_session"
+
     def joined(self) -> AdmissionRequest:
         """This request as admitted with its running group (:attr:`joined_holds`)."""
         if self.joined_holds is None or self.joined_new_blocks is None:

@@ -25,6 +25,8 @@ from cache_policy.registry import KeyRegistry
 from cache_policy.types import ReplicaId, ReplicaView
 
 Verdict = Literal["admit", "queue", "reject"]
+SESSION_WEIGHT = 0.1
+"""Weight of the newest ended session in the moving average of sessions' final KV blocks."""
 UNPARK_EVERY_S = 0.25
 """How often (in the caller's seconds) ``pump`` stops counting idle sessions' parked prefixes."""
 
@@ -93,6 +95,8 @@ class AdmissionState:
         self.ledger = KvLedger()
         self._numbers = itertools.count()
         self._unparked_at = float("-inf")
+        self.session_blocks: float | None = None
+        """Blocks an ended session held at its last turn (moving average; None before one ended)."""
 
     def request(self, rid: ReplicaId, total_blocks: int, matched_blocks: int, session_id: str | None,
                 group_id: str | None, requests: int, now: float, request_id: str = "",
@@ -145,6 +149,24 @@ class AdmissionState:
             return max(0, math.ceil(budget - (cap - 1 - rank)))
         return 0
 
+    def sessions_full(self, view: ReplicaView) -> bool:
+        """Whether ``view``'s replica has no room for one more session: the sessions live there
+        (parked or running), each counted at the larger of what it holds and what sessions end
+        at (:attr:`session_blocks`), plus one more at that size, would pass
+        ``session_fraction`` of the watermark budget. False before a session has ended.
+
+        A session's first turn is small and its prefix grows every turn; admitted by its first
+        turn alone, more sessions started on a replica than its cache could keep between turns,
+        and every one re-prefilled its context (``bench.sim`` 4 replicas, ws/kv 2: agent turns
+        4.5x ideal; with this rule 1.5x). A waiting session starts when one ends or goes idle."""
+        expected, cap = self.session_blocks, view.num_gpu_blocks
+        if expected is None or not cap or not self.enabled:
+            return False
+        rid = view.replica_id
+        held = sum(max(expected, rec.parked[1]) for rec in self.registry.parked_on(rid) if rec.parked)
+        held += sum(max(expected, t.blocks) for t in self.ledger.tickets(rid) if t.session_id is not None)
+        return held + expected > self.cfg.session_fraction * self.cfg.high_watermark * cap
+
     def touched(self, rid: ReplicaId, stamps: list[int]) -> None:
         """A request took free blocks released at ``stamps`` out of ``rid``'s free queue (its
         prefix hit): each parked prefix released before them moves that many places closer to
@@ -167,8 +189,9 @@ class AdmissionState:
         if with_group:
             request = request.joined()
         guard = self.parked_guard(view, freed) if request.priority != "continuing_session" else 0
+        full = self.session_blocks is not None and self.sessions_full(view)
         decision = self.queue.admit(request, project(view, self.ledger, self.registry), 0, with_group=with_group,
-                                    guard_blocks=guard)
+                                    guard_blocks=guard, sessions_full=full)
         displaced = [decision.displaced] if decision.displaced is not None else []
         if decision.verdict == "admit":
             return self._admit(request, now, waited=False), displaced
@@ -177,11 +200,15 @@ class AdmissionState:
         return Admission("queue", decision.reason), displaced
 
     def release(self, ticket: Ticket, now: float, *, park: bool = True, capacity: int = 0,
-                stamp: int | None = None) -> None:
+                stamp: int | None = None, ends_session: bool = False) -> None:
         """The request ended: free its blocks; park its session's prefix (unless ``park`` is False)
         within :func:`parked_limit` of the replica's ``capacity`` blocks (0: unknown, no limit);
-        ``stamp``: the replica's free-queue counter before its blocks were released."""
+        ``stamp``: the replica's free-queue counter before its blocks were released;
+        ``ends_session``: its session's last turn (its size feeds :attr:`session_blocks`)."""
         self.ledger.release(ticket)
+        if ends_session and ticket.session_id is not None:
+            old = self.session_blocks
+            self.session_blocks = ticket.blocks if old is None else old + SESSION_WEIGHT * (ticket.blocks - old)
         if ticket.session_id is not None:
             self.registry.seen("session", ticket.session_id, now)
             if park:
@@ -203,9 +230,10 @@ class AdmissionState:
             self.registry.unpark_idle(now, self.cfg.session_idle_s, waiting)
         freed = freed or {}
         guards = {v.replica_id: self.parked_guard(v, freed.get(v.replica_id)) for v in views}
+        full = {v.replica_id for v in views if self.sessions_full(v)} if self.session_blocks is not None else set()
         projected = [project(v, self.ledger, self.registry) for v in views]
         taken = self.queue.pop_admissible(projected, {}, now, group_running=self.ledger.group_running,
-                                          guards=guards)
+                                          guards=guards, sessions_full=full)
         return [(r, self._admit(r, now, waited=True)) for r in taken]
 
     def retry_after_s(self, now: float) -> float:

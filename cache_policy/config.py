@@ -68,10 +68,17 @@ class PolicyConfig:
     """At most this fraction of a replica's watermark budget counts parked prefixes (idle
     sessions' cached prefixes); past it the oldest parked prefix stops counting. Default 1
     (uncapped): on real vLLM-CPU a cap of 0.5 let the overload test's continuing sessions
-    re-prefill 16 of 20 turns (tests/router/test_admission_vllm.py). Below 1 for a fleet whose
-    parked prefixes outgrow the cache: at ws/kv 2 in ``bench.sim`` they did, and only an idle
-    replica admitted work (one request at a time); 0.5 was the simulator's best."""
+    re-prefill 16 of 20 turns (tests/router/test_admission_vllm.py). Before ``session_fraction``
+    kept sessions from outgrowing the cache, ``bench.sim`` at ws/kv 2 needed 0.5 (uncapped,
+    only an idle replica admitted work); with it 1 is the simulator's best too."""
 
+    session_fraction: float = 0.5
+    """New sessions start on a replica while its live sessions, each counted at the size sessions
+    end at (a moving average over ended sessions), leave room for one more within this fraction
+    of the watermark budget; past it a session's first turn waits (reason ``session_budget``).
+    The rest stays for short-lived work (GRPO groups, scoring fan-outs), whose churn through the
+    cache is what evicts a session's prefix during its tool calls. ``bench.sim`` 4 replicas,
+    ws/kv 2: 0.5 gave agent turns 1.56x ideal prefill, 0.35 1.74x, 1 2.10x, no limit 4.5x."""
     queue_timeout_s: float = 30.0
     """Seconds a request may wait in the admission queue before it expires (429)."""
 
@@ -108,6 +115,7 @@ class PolicyConfig:
         _at_least(self, "max_queue", 0)
         _at_least(self, "max_queue_per_replica", 0)
         _in_unit(self, "parked_fraction", low_open=False)
+        _in_unit(self, "session_fraction", low_open=False)
         _positive(self, "queue_timeout_s")
         _positive(self, "session_idle_s")
         _positive(self, "key_ttl_s")

@@ -440,7 +440,8 @@ class DecisionCore:
             if job.ticket is not None:
                 capacity = self._raw_view(rid).num_gpu_blocks if rid in self.replicas else 0
                 self.admission.release(job.ticket, now, park=outcome == "ok", capacity=capacity,
-                                       stamp=self.free_queue.freed(rid))
+                                       stamp=self.free_queue.freed(rid),
+                                       ends_session=outcome == "ok" and job.spec.ends_session)
                 generated = job.spec.new_tokens if job.generated_tokens is None else job.generated_tokens
                 full = (job.view.num_prompt_tokens + generated) // self.block_size  # a partial block goes to the head
                 self.free_queue.release(rid, job.view.block_hashes, full, capacity,

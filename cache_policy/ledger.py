@@ -20,7 +20,7 @@ Pure bookkeeping: no I/O, times come from the caller's clock.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from cache_policy.admission_queue import Priority
@@ -100,6 +100,10 @@ class KvLedger:
     def count(self, rid: ReplicaId) -> int:
         """Engine requests in flight on ``rid`` (a fan-out counts each of its requests)."""
         return self._requests.get(rid, 0)
+
+    def tickets(self, rid: ReplicaId) -> Iterable[Ticket]:
+        """The tickets in flight on ``rid`` (read-only)."""
+        return self._in_flight.get(rid, {}).values()
 
     def committed(self, rid: ReplicaId) -> int:
         """Blocks the tickets on ``rid`` hold at their peak."""

@@ -114,15 +114,22 @@ async def engine_core_of(replica_set, rid: str, timeout_s: float = 60.0) -> tupl
 
 
 def engine_core_pids(pgid: int) -> list[int]:
-    """Pids in ``pgid``'s group whose command line names vLLM's EngineCore."""
+    """Pids in ``pgid``'s group whose title names vLLM's EngineCore (``set_process_title`` in
+    ``vllm/v1/engine/core.py``): the command line, or the kernel's 15-byte name
+    (``VLLM::EngineCor``), which ``setproctitle`` also sets and which stays readable when
+    rewriting the command line did not take (a full run once saw no titled core for 60 s)."""
     out = []
     for pid in group_members(pgid):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"EngineCore" in f.read():
-                    out.append(pid)
+                titled = b"EngineCore" in f.read()
+            if not titled:
+                with open(f"/proc/{pid}/comm", "rb") as f:
+                    titled = f.read().startswith(b"VLLM::EngineCor")
         except OSError:
             continue
+        if titled:
+            out.append(pid)
     return out
 
 

@@ -14,9 +14,6 @@ from typing import TYPE_CHECKING
 from bench.sim.router import Handle, Verdict
 from cache_policy.config import PolicyConfig
 
-SIM_PARKED_FRACTION = 0.5
-"""The simulated fleets' parked prefixes outgrow their caches (ws/kv 2): capped at half the
-watermark budget, the simulator's best (``PolicyConfig.parked_fraction``; real vLLM keeps 1)."""
 from cache_policy.core import DecisionCore, ReplicaLoad, RequestSpec
 
 if TYPE_CHECKING:
@@ -35,7 +32,7 @@ class Ours:
                  cfg: PolicyConfig | None = None, admission: bool = True, seed: int = 0) -> None:
         self.name = "ours" if policy == "prefix_affinity" else f"ours:{policy}"
         self.weight_policy = weight_policy
-        self.core = DecisionCore(cfg or PolicyConfig(parked_fraction=SIM_PARKED_FRACTION), policy=policy, seed=seed,
+        self.core = DecisionCore(cfg or PolicyConfig(), policy=policy, seed=seed,
                                  weight_update_policy=weight_policy, initial_version=0, admission=admission)
         self._handles: dict[int, Handle] = {}
         self.reasons: Counter[str] = Counter()

@@ -295,3 +295,35 @@ def test_a_hit_behind_a_parked_prefix_moves_it_toward_the_tail(fake_clock):
     _, evicts = ask(core, fake_clock, 1)
     assert evicts.verdict == "queue"
     core.check_integrity()
+
+
+def test_new_sessions_wait_while_live_sessions_fill_their_share_at_the_size_sessions_end_at(fake_clock):
+    # 100 blocks: sessions may take 0.5 * 0.85 * 100 = 42.5. s0 ends at 20 blocks, so every
+    # live session counts at least 20: two fit, a third waits, short-lived work does not.
+    core = make(queue_timeout_s=30.0)
+    prompt = park_session(core, fake_clock, "s0", 10)
+    last = core.open(RequestSpec(tokens(20, prompt), "s0", ends_session=True), fake_clock.now())
+    core.place(last, fake_clock.now())
+    assert core.admit(last, fake_clock.now()).verdict == "admit"
+    core.finish(last, "ok", fake_clock.now())
+    assert core.admission.session_blocks == 20 and core.registry.parked_blocks(A) == 0
+    park_session(core, fake_clock, "s1", 5)  # 0 + 20 <= 42.5
+    park_session(core, fake_clock, "s2", 5)  # 20 + 20 <= 42.5
+    third, adm = ask(core, fake_clock, 5, session="s3")  # 40 + 20 > 42.5
+    assert (adm.verdict, adm.reason) == ("queue", "session_budget")
+    # new work does not overtake it (FIFO within a class): the replica's churn slows while its
+    # sessions' prefixes wait in the free queue (letting it pass: 4 replicas ws/kv 2, 1.52x ideal
+    # prefilled vs 1.19x)
+    other, queued = ask(core, fake_clock, 5)
+    assert (queued.verdict, queued.reason) == ("queue", "queued_behind")
+    assert core.pump(fake_clock.now()) == []
+    core.end_session("s1")
+    assert [job for job, _ in core.pump(fake_clock.now())] == [third, other]
+    core.check_integrity()
+
+
+def test_without_an_ended_session_new_sessions_are_not_limited(fake_clock):
+    core = make(queue_timeout_s=30.0)
+    for sid in ("s1", "s2", "s3", "s4"):
+        park_session(core, fake_clock, sid, 5)
+    assert core.admission.session_blocks is None and core.registry.parked_blocks(A) == 20

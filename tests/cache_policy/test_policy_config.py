@@ -52,6 +52,9 @@ def test_is_frozen() -> None:
         ("queue_timeout_s", 0.0),
         ("session_idle_s", -1.0),
         ("max_in_flight_per_replica", 0),
+        ("parked_fraction", 1.5),
+        ("session_fraction", -0.1),
+        ("session_fraction", 1.01),
     ],
 )
 def test_invalid_field_raises_naming_it(field: str, value: float) -> None:
