@@ -122,9 +122,18 @@ def _parser() -> argparse.ArgumentParser:
 
 def _config(args: argparse.Namespace) -> AppConfig:
     cfg = AppConfig.load(args.config)
-    replicas = {"num_replicas": args.num_replicas} if args.num_replicas else {}
-    return cfg.replace(router=dataclass_overrides(args, RouterConfig), replicas=replicas,
+    return cfg.replace(router=dataclass_overrides(args, RouterConfig), replicas=_replica_overrides(args),
                        policy=dataclass_overrides(args, PolicyConfig, "policy-"))
+
+
+def _replica_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """``--num-replicas``, when given: at least 1 (ValueError naming the flag otherwise; 0 used to
+    be dropped silently, so the config's count started)."""
+    if args.num_replicas is None:
+        return {}
+    if args.num_replicas < 1:
+        raise ValueError(f"--num-replicas: must be >= 1, got {args.num_replicas}")
+    return {"num_replicas": args.num_replicas}
 
 
 def _check_port_free(host: str, port: int) -> None:

@@ -46,6 +46,14 @@ def test_config_errors_exit_2(capsys):
     assert f"router.port {port}" in capsys.readouterr().err
 
 
+def test_num_replicas_below_1_is_a_config_error_naming_the_flag(capsys):
+    assert _config(_parser().parse_args(["serve", "--num-replicas", "1"])).replicas.num_replicas == 1
+    assert _config(_parser().parse_args(["serve"])).replicas.num_replicas == 2  # the config's
+    for value in ("0", "-3"):
+        assert main(["serve", "--num-replicas", value, "--port", "0"]) == 2
+        assert capsys.readouterr().err == f"rollout-router: config error: --num-replicas: must be >= 1, got {value}\n"
+
+
 def test_help_leaves_spec_references_out():
     import subprocess
     import sys
