@@ -127,6 +127,17 @@ async def test_tenants_get_their_own_cache_salt():
         assert salts[0] == salts[2] != salts[1] and "team-a" in salts[0] and "team-b" in salts[1]
 
 
+async def test_a_client_cache_salt_is_400_not_replaced_by_the_routers():
+    async with fake_replica() as replica, edge_router(replica) as (url, _):
+        for path, body in (("/v1/completions", {"prompt": [5, 6]}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                           ("/v1/score", {"context": [5, 6], "responses": [[7]]})):
+            status, answer = await post(url, path, json={**body, "cache_salt": "mine"})
+            assert (status, answer["error"]["param"]) == (400, "cache_salt"), answer
+            assert "per weight version" in answer["error"]["message"] and "tenant" in answer["error"]["message"]
+        assert replica.bodies == []
+
+
 async def test_tenant_header_only_when_enabled():
     async with fake_replica() as replica, edge_router(replica) as (url, _):
         status, answer = await post(url, "/v1/completions", json={"prompt": [5]}, headers={"X-Tenant-Id": "t"})
