@@ -88,6 +88,21 @@ async def test_deep_nesting_and_lone_surrogates_are_400_not_500():
             assert (status, answer["error"]["param"]) == (400, param), answer
 
 
+async def test_a_bad_chat_content_part_is_a_short_400_naming_it():
+    async with fake_replica() as replica, edge_router(replica) as (url, _):
+        for part, param, says in (({"type": "text"}, "messages[0].content[0].text", "is required"),
+                                  ({"type": "image_url", "image_url": {"url": "x"}}, "messages[0].content[0].type",
+                                   "only text content parts"),
+                                  ({"text": "hi"}, "messages[0].content[0].type", "is required"),
+                                  ("hi", "messages[0].content[0]", "must be an object")):
+            for path, extra in (("/v1/chat/completions", {}), ("/v1/score", {"responses": [[7]]})):
+                messages = [{"role": "user", "content": [part]}]
+                status, answer = await post(url, path, json={"messages": messages, **extra})
+                assert (status, answer["error"]["param"]) == (400, param), answer
+                assert says in answer["error"]["message"] and len(answer["error"]["message"]) < 100, answer
+        assert replica.bodies == []
+
+
 async def test_a_4000_digit_number_is_not_echoed_whole():
     async with fake_replica() as replica, edge_router(replica) as (url, _):
         huge = b"9" * 4000

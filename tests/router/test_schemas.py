@@ -28,7 +28,12 @@ def test_error_param_leaves_union_tags_out():
 
 
 @pytest.mark.parametrize("body,param", [
-    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0].type"),
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content[0].text"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"text": "b"}]}]},
+     "messages[0].content[1].type"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "messages[0].content[0].text"),
+    ({"messages": [{"role": "user", "content": ["hi"]}]}, "messages[0].content[0]"),
     ({"messages": HI, "add_generation_prompt": 1}, "add_generation_prompt"),
     ({"messages": HI, "chat_template_kwargs": []}, "chat_template_kwargs"),
     ({"messages": HI, "documents": [{"title": 3}]}, "documents[0].title"),
