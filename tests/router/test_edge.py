@@ -82,10 +82,14 @@ async def test_deep_nesting_and_lone_surrogates_are_400_not_500():
         for raw, param in ((b'{"prompt": "a\\ud800b"}', "prompt"),
                            (b'{"messages": [{"role": "user", "content": "\\udfff"}]}', "messages[0].content"),
                            (b'{"prompt": [1], "max_tokens": NaN}', "body"),
-                           (b'{"prompt": [1], "n": ' + b"9" * 5000 + b"}", "body")):
+                           (b'{"prompt": [1], "n": ' + b"9" * 5000 + b"}", "n"),
+                           (b'{"prompt": [1, -' + b"9" * 5000 + b"]}", "prompt[1]")):
             path = "/v1/chat/completions" if b"messages" in raw else "/v1/completions"
             status, answer = await post(url, path, data=raw)
             assert (status, answer["error"]["param"]) == (400, param), answer
+            assert "sys." not in answer["error"]["message"], answer  # no advice meant for a server
+        status, answer = await post(url, "/v1/completions", data=b'{"prompt": [1], "n": ' + b"9" * 5000 + b"}")
+        assert answer["error"]["message"] == "'n' is an integer too large (5000 digits)"
 
 
 async def test_a_bad_chat_content_part_is_a_short_400_naming_it():
