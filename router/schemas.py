@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.json_schema import models_json_schema
 
+from router import package_version
 from router.errors import BadRequest
 
 MAX_TOP_LOGPROBS = 20
@@ -174,7 +175,7 @@ def openapi_document() -> dict[str, Any]:
     for path, summary in (("/v1/models", "The served model"), ("/health", "Replica health"),
                           ("/metrics", "Prometheus metrics"), ("/openapi.json", "This document")):
         paths[path] = {"get": {"summary": summary, "responses": {"200": {"description": "OK"}}}}
-    return {"openapi": "3.1.0", "info": {"title": "rollout-router", "version": "0.1.0"},
+    return {"openapi": "3.1.0", "info": {"title": "rollout-router", "version": package_version()},
             "paths": paths, "components": {"schemas": schemas}}
 
 
