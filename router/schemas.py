@@ -1,7 +1,8 @@
 """Request bodies of the OpenAI-style endpoints as pydantic models, and the OpenAPI document.
 
-The models type every field the router reads; any other OpenAI/vLLM field passes through to
-the replica untouched (``extra="allow"``). ``router.parse`` runs its own checks first (they
+The models type every field the router reads; any other OpenAI/vLLM field of a completion or
+chat request passes through to the replica untouched (``extra="allow"``; ``/v1/score`` builds
+its replica requests itself, so its other fields go nowhere). ``router.parse`` runs its own checks first (they
 give each field's long-standing message), then :func:`validate_body`, which reports a model
 error as a ``BadRequest`` naming the field (``messages[2].role``, ``max_tokens``).
 :func:`openapi_document` builds ``GET /openapi.json`` from the same models.
