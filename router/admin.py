@@ -32,6 +32,7 @@ from aiohttp import web
 from cache_policy.types import ReplicaId
 from router import keys
 from router.config import AppConfig
+from router.edge import body_of
 from router.errors import Unauthorized
 from router.lifecycle import Lifecycle
 from router.parse import load_json_object
@@ -60,7 +61,7 @@ def check_token(request: web.Request) -> None:
 
 async def _body(request: web.Request) -> dict:
     check_token(request)
-    return load_json_object(await request.read())
+    return load_json_object(body_of(request))
 
 
 def _answer(report: dict) -> web.Response:

@@ -3,9 +3,9 @@
 Everything a hostile client can put in JSON that would make the router's own code fail is a
 400 here, naming the field: invalid JSON or UTF-8, a non-object, ``NaN``/``Infinity`` (not JSON;
 vLLM refuses them) and numbers past a float's range (``1e400``, which ``json`` reads as
-``inf``), an integer past Python's 4,300-digit limit, nesting deeper than
-:data:`MAX_JSON_DEPTH` (``json.loads`` hits ``RecursionError`` near 1,000 levels and
-re-encoding the body for the replica near the same depth), and strings holding a lone UTF-16
+``inf``), an integer past Python's 4,300-digit limit ("integer too large", naming its field),
+nesting deeper than :data:`MAX_JSON_DEPTH` (``json.loads`` hits ``RecursionError`` near 1,000
+levels and re-encoding the body for the replica near the same depth), and strings holding a lone UTF-16
 surrogate such as ``"\\ud800"`` (valid JSON, but no tokenizer or UTF-8 encoder accepts it).
 
 Bodies are decoded by ``msgspec`` (about 3x faster than ``json`` on a token-ID prompt); whatever
@@ -43,12 +43,22 @@ def _finite_float(text: str) -> float:
     return value
 
 
+class _HugeInt:
+    """Holds the place of an integer past Python's digit limit (``sys.get_int_max_str_digits()``,
+    4,300) while a body is decoded, so :func:`check_tree` can name its field."""
+
+    __slots__ = ("digits",)
+
+    def __init__(self, digits: int) -> None:
+        self.digits = digits
+
+
 def load_json_object(raw: bytes) -> dict[str, Any]:
     """Decode a JSON object body; BadRequest (``param`` names the body or the field) otherwise."""
-    body = _decode(raw)
+    body, huge = _decode(raw)
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object", param="body")
-    if _may_be_unsafe(raw):
+    if huge or _may_be_unsafe(raw):
         check_tree(body)
     return body
 
@@ -56,18 +66,30 @@ def load_json_object(raw: bytes) -> dict[str, Any]:
 _FAST = msgspec.json.Decoder()
 
 
-def _decode(raw: bytes) -> Any:
-    """``raw`` decoded: by msgspec, else by ``json`` (BadRequest with its message when it refuses)."""
+def _decode(raw: bytes) -> tuple[Any, bool]:
+    """``raw`` decoded: by msgspec, else by ``json`` (BadRequest with its message when it refuses),
+    and whether it holds an integer too large to hold (a :class:`_HugeInt` in its place)."""
     try:
-        return _FAST.decode(raw)
+        return _FAST.decode(raw), False
     except (msgspec.DecodeError, RecursionError):
         pass
+    huge = []
+
+    def parse_int(text: str) -> int | _HugeInt:
+        try:
+            return int(text)
+        except ValueError:  # past the digit limit
+            huge.append(_HugeInt(len(text.lstrip("-"))))
+            return huge[-1]
+
     try:
-        return json.loads(raw or b"null", parse_constant=_refuse_constant, parse_float=_finite_float)
+        body = json.loads(raw or b"null", parse_constant=_refuse_constant, parse_float=_finite_float,
+                          parse_int=parse_int)
     except RecursionError:
         raise BadRequest(f"request body nests deeper than {MAX_JSON_DEPTH} levels", param="body") from None
-    except (UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError, or an over-long integer
+    except (UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError
         raise BadRequest(f"request body is not valid JSON: {exc}", param="body") from None
+    return body, bool(huge)
 
 
 def _may_be_unsafe(raw: bytes) -> bool:
@@ -102,8 +124,9 @@ def is_utf8(text: str) -> bool:
 
 
 def check_tree(body: Any) -> None:
-    """BadRequest naming the first field nested deeper than :data:`MAX_JSON_DEPTH` or holding a
-    string that is not valid Unicode (a lone surrogate). Iterative: any depth is safe to walk."""
+    """BadRequest naming the first field nested deeper than :data:`MAX_JSON_DEPTH`, holding a
+    string that is not valid Unicode (a lone surrogate) or an integer too large (a :class:`_HugeInt`).
+    Iterative: any depth is safe to walk."""
     stack: list[tuple[Any, str, int]] = [(body, "", 0)]
     while stack:
         value, path, depth = stack.pop()
@@ -112,6 +135,8 @@ def check_tree(body: Any) -> None:
                 raise BadRequest(f"'{path or 'body'}' holds a lone surrogate (not valid Unicode)",
                                  param=path or "body")
             continue
+        if isinstance(value, _HugeInt):
+            raise BadRequest(f"'{path}' is an integer too large ({value.digits} digits)", param=path)
         if not isinstance(value, _CONTAINERS):
             continue
         if depth >= MAX_JSON_DEPTH:
@@ -120,6 +145,6 @@ def check_tree(body: Any) -> None:
         for key, item in items:
             if isinstance(key, str) and not is_utf8(key):
                 raise BadRequest(f"a key in '{path or 'body'}' holds a lone surrogate", param=path or "body")
-            if isinstance(item, (str, dict, list)):
+            if isinstance(item, (str, dict, list, _HugeInt)):
                 child = f"{path}[{key}]" if isinstance(key, int) else (f"{path}.{key}" if path else key)
                 stack.append((item, child, depth + 1))

@@ -22,9 +22,14 @@ from typing import Any
 
 from replicas.config import StartupError
 from cache_policy.config import PolicyConfig
+from router import package_version
 from router.config import AppConfig, RouterConfig
 
 _SIMPLE = (int, float, str)
+
+
+BOOL_METAVAR = "{true,false}"
+"""How --help shows a boolean flag's value (yes/no, on/off and 1/0 are taken too)."""
 
 
 def _bool(text: str) -> bool:
@@ -62,7 +67,8 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, prefix: str 
         default = (f.default if f.default is not dataclasses.MISSING
                    else f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
         group.add_argument(f"--{prefix}{f.name}".replace("_", "-"), dest=f"{prefix}{f.name}".replace("-", "_"), type=kind,
-                           default=None, help=f"{_doc(cls, f.name)}(default: {default})")
+                           default=None, metavar=BOOL_METAVAR if kind is _bool else None,
+                           help=f"{_doc(cls, f.name)}(default: {default})")
 
 
 def _doc(cls: type, name: str) -> str:
@@ -106,6 +112,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rollout-router",
         description="Prefix-cache-aware router for RL rollouts and OPD scoring in front of vLLM replicas.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="start the replicas and serve the router until interrupted")
     for p in (serve,):
@@ -122,9 +129,18 @@ def _parser() -> argparse.ArgumentParser:
 
 def _config(args: argparse.Namespace) -> AppConfig:
     cfg = AppConfig.load(args.config)
-    replicas = {"num_replicas": args.num_replicas} if args.num_replicas else {}
-    return cfg.replace(router=dataclass_overrides(args, RouterConfig), replicas=replicas,
+    return cfg.replace(router=dataclass_overrides(args, RouterConfig), replicas=_replica_overrides(args),
                        policy=dataclass_overrides(args, PolicyConfig, "policy-"))
+
+
+def _replica_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """``--num-replicas``, when given: at least 1 (ValueError naming the flag otherwise; 0 used to
+    be dropped silently, so the config's count started)."""
+    if args.num_replicas is None:
+        return {}
+    if args.num_replicas < 1:
+        raise ValueError(f"--num-replicas: must be >= 1, got {args.num_replicas}")
+    return {"num_replicas": args.num_replicas}
 
 
 def _check_port_free(host: str, port: int) -> None:

@@ -68,6 +68,14 @@ class PayloadTooLarge(RouterError):
     type = "invalid_request_error"
 
 
+class UnsupportedMediaType(RouterError):
+    """The body is sent in a form the router does not read, such as a ``Content-Encoding`` it
+    cannot decode (415)."""
+
+    status = 415
+    type = "invalid_request_error"
+
+
 class RequestTimeout(RouterError):
     """The client sent its body too slowly (408, past ``router.body_timeout_s``)."""
 

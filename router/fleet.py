@@ -21,6 +21,7 @@ from replicas.events import ReplicaEvent
 from replicas.replica_set import ReplicaEndpoint
 from router import keys
 from router.body import load_json_object
+from router.edge import body_of
 from router.errors import BadRequest, RouterError, echo
 from router.kv_events import KV_EVENTS, sync_watches
 
@@ -106,7 +107,7 @@ async def list_replicas(request: web.Request) -> web.Response:
 
 async def add_replica(request: web.Request) -> web.Response:
     """POST /admin/replicas ``{}`` (start one from the config) or ``{"url": "http://..."}`` (register)."""
-    body = load_json_object(await request.read()) if request.body_exists else {}
+    body = load_json_object(body_of(request)) if request.body_exists else {}
     url = body.get("url")
     if url is not None and (not isinstance(url, str) or not url.startswith(("http://", "https://"))):
         raise BadRequest("'url' must be an http(s) URL of a running vLLM server", param="url")

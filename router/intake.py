@@ -16,7 +16,7 @@ from aiohttp import web
 
 from router import keys
 from router.body import load_json_object
-from router.edge import tenant_of
+from router.edge import body_of, tenant_of
 from router.errors import BadRequest
 from router.parse import Limits, ParsedRequest, ScoreRequest, parse_chat, parse_completion, parse_score
 
@@ -47,7 +47,7 @@ def check_room(num_prompt: int, body: dict[str, Any], limits: Limits, param: str
 async def read_completion(request: web.Request) -> tuple[ParsedRequest, list[int]]:
     """A ``/v1/completions`` request, validated, and the token IDs to route and send."""
     app, limits = request.app, limits_of(request.app)
-    parsed = parse_completion(load_json_object(await request.read()), request.headers, limits=limits,
+    parsed = parse_completion(load_json_object(body_of(request)), request.headers, limits=limits,
                               tenant=tenant_of(request))
     tokenizer = app[keys.TOKENIZER]
     if isinstance(parsed.prompt, list):
@@ -62,7 +62,7 @@ async def read_completion(request: web.Request) -> tuple[ParsedRequest, list[int
 async def read_chat(request: web.Request) -> tuple[ParsedRequest, list[int]]:
     """A ``/v1/chat/completions`` request, validated, and its token IDs as vLLM renders them."""
     app, limits = request.app, limits_of(request.app)
-    parsed = parse_chat(load_json_object(await request.read()), request.headers, limits=limits,
+    parsed = parse_chat(load_json_object(body_of(request)), request.headers, limits=limits,
                         tenant=tenant_of(request))
     token_ids = await app[keys.TOKENIZER].achat_ids(parsed.messages, body=parsed.body)
     check_room(len(token_ids), parsed.body, limits, "messages")
@@ -73,7 +73,7 @@ async def read_score(request: web.Request) -> tuple[ScoreRequest, list[int]]:
     """A ``/v1/score`` request, validated, and its context's token IDs. Each response must fit
     after the context with one token to spare (the scoring request generates one)."""
     app, limits = request.app, limits_of(request.app)
-    req = parse_score(load_json_object(await request.read()), request.headers, limits=limits,
+    req = parse_score(load_json_object(body_of(request)), request.headers, limits=limits,
                       tenant=tenant_of(request))
     tokenizer = app[keys.TOKENIZER]
     if req.messages is not None:

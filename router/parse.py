@@ -146,6 +146,21 @@ def _end_session(body: dict[str, Any], headers: Mapping[str, str]) -> bool:
 
 _routing_keys = routing_keys  # the name router.score imported
 
+ROUTER_SET_FIELDS = {
+    "cache_salt": "the router sets cache salts itself, per weight version (README \"Version contract\") and per "
+                  "tenant; to keep your requests' cache blocks apart, give them a tenant (an API key's, or "
+                  "X-Tenant-Id with router.tenant_header)",
+}
+"""Fields a client may not send because the router sets them on what it forwards: sent, they were
+silently replaced (two clients' different salts shared the router's salt, and its blocks)."""
+
+
+def refuse_router_set_fields(body: dict[str, Any]) -> None:
+    """BadRequest naming the first of :data:`ROUTER_SET_FIELDS` that ``body`` holds."""
+    for name, why in ROUTER_SET_FIELDS.items():
+        if name in body:
+            raise BadRequest(f"'{name}' is not accepted: {why}", param=name)
+
 
 def _is_token_ids(value: Any) -> bool:
     return isinstance(value, list) and all_ints(value)
@@ -239,6 +254,7 @@ def parse_completion(body: dict[str, Any], headers: Mapping[str, str], *, limits
                      tenant: str | None = None) -> ParsedRequest:
     """Validate a /v1/completions body (mutated: routing fields removed)."""
     limits = limits or default_limits()
+    refuse_router_set_fields(body)
     keys, stream = routing_keys(body, headers, limits, tenant), _validate_common(body, limits)
     prompt, max_id = _validate_prompt(body.get("prompt"), limits)
     # every prompt _validate_prompt passes, the model passes too: it need not walk the token IDs again
@@ -250,6 +266,7 @@ def parse_chat(body: dict[str, Any], headers: Mapping[str, str], *, limits: Limi
                tenant: str | None = None) -> ParsedRequest:
     """Validate a /v1/chat/completions body (mutated: routing fields removed)."""
     limits = limits or default_limits()
+    refuse_router_set_fields(body)
     keys, stream = routing_keys(body, headers, limits, tenant), _validate_common(body, limits)
     messages = validate_messages(body.get("messages"), limits)
     validate_body(ChatRequest, body)
@@ -296,6 +313,7 @@ def parse_score(body: dict[str, Any], headers: Mapping[str, str], *, limits: Lim
                 tenant: str | None = None) -> ScoreRequest:
     """Validate a /v1/score body; BadRequest naming the field."""
     limits = limits or default_limits()
+    refuse_router_set_fields(body)
     routing = routing_keys(body, headers, limits, tenant)
     context, messages = body.get("context"), body.get("messages")
     max_id = None

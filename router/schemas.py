@@ -1,7 +1,8 @@
 """Request bodies of the OpenAI-style endpoints as pydantic models, and the OpenAPI document.
 
-The models type every field the router reads; any other OpenAI/vLLM field passes through to
-the replica untouched (``extra="allow"``). ``router.parse`` runs its own checks first (they
+The models type every field the router reads; any other OpenAI/vLLM field of a completion or
+chat request passes through to the replica untouched (``extra="allow"``; ``/v1/score`` builds
+its replica requests itself, so its other fields go nowhere). ``router.parse`` runs its own checks first (they
 give each field's long-standing message), then :func:`validate_body`, which reports a model
 error as a ``BadRequest`` naming the field (``messages[2].role``, ``max_tokens``).
 :func:`openapi_document` builds ``GET /openapi.json`` from the same models.
@@ -15,6 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.json_schema import models_json_schema
 
+from router import package_version
 from router.errors import BadRequest
 
 MAX_TOP_LOGPROBS = 20
@@ -42,7 +44,8 @@ class TextPart(BaseModel):
 
     model_config = ConfigDict(extra="allow")
     type: Literal["text"]
-    text: str = ""
+    text: str
+    """The part's text (required, as vLLM requires it)."""
 
 
 class ChatMessage(BaseModel):
@@ -110,28 +113,41 @@ class ScoreBody(RoutingFields):
 
 _TAGS = frozenset({"str", "int", "float", "bool", "none", "list", "dict"})
 _REASONS = {"bool_type": "must be a boolean", "int_type": "must be an integer", "string_type": "must be a string",
-            "dict_type": "must be an object", "list_type": "must be a list", "missing": "is required",
-            "too_short": "must not be empty", "literal_error": "must be a text part {'type': 'text', 'text': ...}"}
+            "dict_type": "must be an object", "model_type": "must be an object", "list_type": "must be a list",
+            "missing": "is required", "too_short": "must not be empty",
+            "literal_error": "must be 'text': only text content parts are supported"}
+
+
+def _fields(loc: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A pydantic error location without its union-member tags (``"list[int]"``, ``"str"``)."""
+    return tuple(p for p in loc if isinstance(p, int) or isinstance(p, str) and p.isidentifier() and p not in _TAGS)
 
 
 def error_param(loc: tuple[Any, ...]) -> str:
     """The request field a pydantic error location names: ``("messages", 2, "role")`` ->
     ``"messages[2].role"``; union-member tags (``"list[int]"``) are left out."""
     out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif isinstance(part, str) and part.isidentifier() and part not in _TAGS:
-            out += f".{part}" if out else part
+    for part in _fields(loc):
+        out += f"[{part}]" if isinstance(part, int) else f".{part}" if out else part
     return out or "body"
 
 
+def _at_fault(errors: list[Any]) -> Any:
+    """The first error, or the one deepest inside its field: where every member of a union fails,
+    the member that got furthest into the input says what is wrong (``content: [{"type": "text"}]``
+    is missing ``messages[0].content[0].text``, not "must be a string")."""
+    field = _fields(tuple(errors[0]["loc"]))
+    inside = [e for e in errors if _fields(tuple(e["loc"]))[:len(field)] == field]
+    return max(inside, key=lambda e: len(_fields(tuple(e["loc"]))))
+
+
 def validate_body(model: type[BaseModel], body: dict[str, Any]) -> BaseModel:
-    """``model`` validated from ``body``; BadRequest naming the first field at fault."""
+    """``model`` validated from ``body``; BadRequest naming the first field at fault, in a short
+    message of our own (pydantic's is used, first letter lowered, only for a kind not in ``_REASONS``)."""
     try:
         return model.model_validate(body)
     except ValidationError as exc:
-        error = exc.errors(include_url=False)[0]
+        error = _at_fault(exc.errors(include_url=False))
         param = error_param(tuple(error["loc"]))
         reason = _REASONS.get(error["type"]) or error["msg"][:1].lower() + error["msg"][1:]
         raise BadRequest(f"'{param}' {reason}", param=param) from None
@@ -160,7 +176,7 @@ def openapi_document() -> dict[str, Any]:
     for path, summary in (("/v1/models", "The served model"), ("/health", "Replica health"),
                           ("/metrics", "Prometheus metrics"), ("/openapi.json", "This document")):
         paths[path] = {"get": {"summary": summary, "responses": {"200": {"description": "OK"}}}}
-    return {"openapi": "3.1.0", "info": {"title": "rollout-router", "version": "0.1.0"},
+    return {"openapi": "3.1.0", "info": {"title": "rollout-router", "version": package_version()},
             "paths": paths, "components": {"schemas": schemas}}
 
 

@@ -74,7 +74,8 @@ async def running_router(cfg: AppConfig, endpoints: Sequence[ReplicaEndpoint],
     r = cfg.router  # header limits and the keep-alive timer, which also bounds slow headers
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0,
                            max_line_size=r.max_header_bytes, max_field_size=r.max_header_bytes,
-                           keepalive_timeout=r.header_timeout_s)
+                           keepalive_timeout=r.header_timeout_s,
+                           auto_decompress=False)  # the edge undoes Content-Encoding (router.content_encoding)
     await runner.setup()
     try:
         site = web.TCPSite(runner, cfg.router.host, cfg.router.port)

@@ -46,6 +46,34 @@ def test_config_errors_exit_2(capsys):
     assert f"router.port {port}" in capsys.readouterr().err
 
 
+def test_num_replicas_below_1_is_a_config_error_naming_the_flag(capsys):
+    assert _config(_parser().parse_args(["serve", "--num-replicas", "1"])).replicas.num_replicas == 1
+    assert _config(_parser().parse_args(["serve"])).replicas.num_replicas == 2  # the config's
+    for value in ("0", "-3"):
+        assert main(["serve", "--num-replicas", value, "--port", "0"]) == 2
+        assert capsys.readouterr().err == f"rollout-router: config error: --num-replicas: must be >= 1, got {value}\n"
+
+
+def test_version_comes_from_the_package_metadata(capsys, monkeypatch):
+    from importlib.metadata import version
+
+    import router
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out == f"rollout-router {version('rollout-router')}\n"
+    monkeypatch.setattr(router, "DISTRIBUTION", "rollout-router-not-installed")
+    assert router.package_version() == "unknown"
+
+
+def test_boolean_flags_say_they_take_true_or_false(capsys):
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["serve", "--help"])
+    help_text = capsys.readouterr().out
+    assert "--admission {true,false}" in help_text and "--tenant-header {true,false}" in help_text
+    assert _config(_parser().parse_args(["serve", "--admission", "off"])).router.admission is False
+
+
 def test_help_leaves_spec_references_out():
     import subprocess
     import sys

@@ -5,9 +5,12 @@ a fake replica (tests/router/edge_fixtures.py) where a replica is needed at all.
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
+import zlib
 from urllib.parse import urlsplit
 
+import aiohttp
 import pytest
 
 from tests.router.edge_fixtures import VLLM_BODY_PARAM, VLLM_NULL_PARAM, edge_router, fake_replica, post
@@ -79,10 +82,29 @@ async def test_deep_nesting_and_lone_surrogates_are_400_not_500():
         for raw, param in ((b'{"prompt": "a\\ud800b"}', "prompt"),
                            (b'{"messages": [{"role": "user", "content": "\\udfff"}]}', "messages[0].content"),
                            (b'{"prompt": [1], "max_tokens": NaN}', "body"),
-                           (b'{"prompt": [1], "n": ' + b"9" * 5000 + b"}", "body")):
+                           (b'{"prompt": [1], "n": ' + b"9" * 5000 + b"}", "n"),
+                           (b'{"prompt": [1, -' + b"9" * 5000 + b"]}", "prompt[1]")):
             path = "/v1/chat/completions" if b"messages" in raw else "/v1/completions"
             status, answer = await post(url, path, data=raw)
             assert (status, answer["error"]["param"]) == (400, param), answer
+            assert "sys." not in answer["error"]["message"], answer  # no advice meant for a server
+        status, answer = await post(url, "/v1/completions", data=b'{"prompt": [1], "n": ' + b"9" * 5000 + b"}")
+        assert answer["error"]["message"] == "'n' is an integer too large (5000 digits)"
+
+
+async def test_a_bad_chat_content_part_is_a_short_400_naming_it():
+    async with fake_replica() as replica, edge_router(replica) as (url, _):
+        for part, param, says in (({"type": "text"}, "messages[0].content[0].text", "is required"),
+                                  ({"type": "image_url", "image_url": {"url": "x"}}, "messages[0].content[0].type",
+                                   "only text content parts"),
+                                  ({"text": "hi"}, "messages[0].content[0].type", "is required"),
+                                  ("hi", "messages[0].content[0]", "must be an object")):
+            for path, extra in (("/v1/chat/completions", {}), ("/v1/score", {"responses": [[7]]})):
+                messages = [{"role": "user", "content": [part]}]
+                status, answer = await post(url, path, json={"messages": messages, **extra})
+                assert (status, answer["error"]["param"]) == (400, param), answer
+                assert says in answer["error"]["message"] and len(answer["error"]["message"]) < 100, answer
+        assert replica.bodies == []
 
 
 async def test_a_4000_digit_number_is_not_echoed_whole():
@@ -124,6 +146,17 @@ async def test_tenants_get_their_own_cache_salt():
         assert salts[0] == salts[2] != salts[1] and "team-a" in salts[0] and "team-b" in salts[1]
 
 
+async def test_a_client_cache_salt_is_400_not_replaced_by_the_routers():
+    async with fake_replica() as replica, edge_router(replica) as (url, _):
+        for path, body in (("/v1/completions", {"prompt": [5, 6]}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                           ("/v1/score", {"context": [5, 6], "responses": [[7]]})):
+            status, answer = await post(url, path, json={**body, "cache_salt": "mine"})
+            assert (status, answer["error"]["param"]) == (400, "cache_salt"), answer
+            assert "per weight version" in answer["error"]["message"] and "tenant" in answer["error"]["message"]
+        assert replica.bodies == []
+
+
 async def test_tenant_header_only_when_enabled():
     async with fake_replica() as replica, edge_router(replica) as (url, _):
         status, answer = await post(url, "/v1/completions", json={"prompt": [5]}, headers={"X-Tenant-Id": "t"})
@@ -157,6 +190,59 @@ async def test_body_size_is_checked_before_reading_and_while_streaming_it():
                 yield b" " * 400
         status, answer = await post(url, "/v1/completions", data=chunks())  # chunked: no Content-Length
         assert (status, answer["error"]["param"]) == (413, "body")
+
+
+async def post_encoded(url: str, data: bytes, encoding: str) -> tuple[int, dict, str | None]:
+    """POST ``data`` to /v1/completions as sent, under ``Content-Encoding: encoding``:
+    ``(status, JSON body, Accept-Encoding header)``."""
+    async with aiohttp.ClientSession() as http, http.post(url + "/v1/completions", data=data, headers={
+            "Content-Encoding": encoding, "Content-Type": "application/json"}) as r:
+        return r.status, await r.json(content_type=None), r.headers.get("Accept-Encoding")
+
+
+async def test_content_encoding_is_undone_or_refused_as_json_never_500():
+    body = json.dumps({"prompt": [5, 6]}).encode()
+    async with fake_replica() as replica, edge_router(replica, max_body_bytes=1000) as (url, _):
+        for data, encoding in ((gzip.compress(body), "gzip"), (gzip.compress(body[:4]) + gzip.compress(body[4:]), "x-gzip"),
+                               (zlib.compress(body), "deflate"), (zlib.compress(body)[2:-4], "deflate"),  # raw deflate
+                               (body, "identity")):
+            assert (await post_encoded(url, data, encoding))[0] == 200, encoding
+        assert [b["prompt"] for b in replica.bodies] == [[5, 6]] * 5
+        for data, encoding in ((body, "gzip"), (body, "deflate"), (gzip.compress(body)[:-4], "gzip"),
+                               (zlib.compress(body) + b"x", "deflate")):
+            status, answer, _ = await post_encoded(url, data, encoding)
+            assert (status, answer["error"]["param"]) == (400, "Content-Encoding"), answer
+        for encoding in ("br", "zstd", "compress", "gzip, gzip"):
+            status, answer, accepted = await post_encoded(url, gzip.compress(body), encoding)
+            assert (status, answer["error"]["param"], accepted) == (415, "Content-Encoding", "gzip, deflate"), answer
+            assert "gzip, deflate" in answer["error"]["message"]
+        status, answer, _ = await post_encoded(url, gzip.compress(b" " * 2000 + body), "gzip")  # 1000 bytes past
+        assert (status, answer["error"]["param"]) == (413, "body"), answer
+        async with aiohttp.ClientSession() as http, http.get(url + "/metrics") as r:
+            counted = {line.split('status="')[1].split('"')[0] for line in (await r.text()).splitlines()
+                       if line.startswith('rollout_router_requests_total{endpoint="completions"')}
+        assert counted == {"200", "400", "413", "415"}, counted
+        assert len(replica.bodies) == 5
+
+
+async def test_a_body_the_server_failed_to_inflate_is_a_400():
+    """Under a server that inflates bodies itself (aiohttp's default, as test servers run the app)."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from replicas.replica_set import ReplicaEndpoint
+    from router.app import create_app
+    from router.config import AppConfig
+    from tests.router.edge_fixtures import tiny_tokenizer
+
+    async with fake_replica() as replica:
+        endpoint = ReplicaEndpoint("replica-0", replica.url, 32, 1000, "tiny-llama")
+        app = create_app(AppConfig().replace(router={"scrape_interval_s": 0}), [endpoint], tiny_tokenizer())
+        async with TestClient(TestServer(app)) as client:
+            for data, status, param in ((gzip.compress(b'{"prompt": [5]}'), 200, None),  # aiohttp then
+                                        (b'{"prompt": [5]}', 400, "Content-Encoding")):  # closes the connection
+                r = await client.post("/v1/completions", data=data, headers={"Content-Encoding": "gzip"})
+                answer = await r.json()
+                assert (r.status, answer.get("error", {}).get("param")) == (status, param), answer
 
 
 async def test_slow_body_gets_408_and_slow_headers_are_cut_off():

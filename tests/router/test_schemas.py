@@ -28,7 +28,12 @@ def test_error_param_leaves_union_tags_out():
 
 
 @pytest.mark.parametrize("body,param", [
-    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0].type"),
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content[0].text"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"text": "b"}]}]},
+     "messages[0].content[1].type"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "messages[0].content[0].text"),
+    ({"messages": [{"role": "user", "content": ["hi"]}]}, "messages[0].content[0]"),
     ({"messages": HI, "add_generation_prompt": 1}, "add_generation_prompt"),
     ({"messages": HI, "chat_template_kwargs": []}, "chat_template_kwargs"),
     ({"messages": HI, "documents": [{"title": 3}]}, "documents[0].title"),
@@ -65,8 +70,10 @@ def test_tenant_is_carried_and_routing_fields_leave_the_body():
 
 def test_json_bodies_that_would_break_the_router_are_400():
     assert load_json_object(b'{"prompt": "caf\\u00e9"}') == {"prompt": "café"}
-    for raw in (b"[" * 5000 + b"]" * 5000, b'{"a": NaN}', b'{"a": -Infinity}', b'{"n": ' + b"7" * 4400 + b"}"):
+    for raw in (b"[" * 5000 + b"]" * 5000, b'{"a": NaN}', b'{"a": -Infinity}'):
         assert _param(load_json_object, raw) == "body"
+    assert _param(load_json_object, b'{"n": ' + b"7" * 4400 + b"}") == "n"  # past the digit limit
+    assert _param(load_json_object, b'{"m": [{"c": [1, ' + b"7" * 4400 + b"]}]}") == "m[0].c[1]"
     assert _param(load_json_object, b'{"prompt": "\\udc80"}') == "prompt"
     assert _param(load_json_object, b'{"m": [{"c": "ok"}, {"c": "\\ud800x"}]}') == "m[1].c"
     nested: list = []
