@@ -11,6 +11,7 @@ import argparse
 import re
 import asyncio
 import dataclasses
+import json
 import logging
 import signal
 import socket
@@ -42,10 +43,33 @@ def _bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
+def _api_keys(text: str) -> dict[str, str | None]:
+    """argparse type for ``--api-keys``: ``KEY=TENANT`` pairs separated by commas (a bare
+    ``KEY`` acts for no tenant), or a JSON object ``{"KEY": "TENANT" or null}``."""
+    text = text.strip()
+    if text.startswith("{"):
+        try:
+            value = json.loads(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"not a JSON object: {e}") from None
+        if not isinstance(value, dict) or not all(isinstance(v, str) or v is None for v in value.values()):
+            raise argparse.ArgumentTypeError('expected {"KEY": "TENANT" or null, ...}')
+        return value
+    out: dict[str, str | None] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, tenant = item.partition("=")
+        if not key.strip() or (sep and not tenant.strip()):
+            raise argparse.ArgumentTypeError(f"expected KEY=TENANT or KEY, got {item!r}")
+        out[key.strip()] = tenant.strip() if sep else None
+    return out
+
+
 def _flag_type(cls: type, f: dataclasses.Field) -> type | None:
     hint = typing.get_type_hints(cls)[f.name]
     if typing.get_origin(hint) is typing.Literal:
         return str
+    if typing.get_origin(hint) is dict:  # (its type arguments are the key's and value's, not a union)
+        return _api_keys if f.name == "api_keys" else None
     args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
     base = typing.get_origin(args[0]) or args[0]
     if base is typing.Literal:
@@ -66,8 +90,9 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, prefix: str 
             continue
         default = (f.default if f.default is not dataclasses.MISSING
                    else f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+        metavar = BOOL_METAVAR if kind is _bool else "KEY=TENANT,..." if kind is _api_keys else None
         group.add_argument(f"--{prefix}{f.name}".replace("_", "-"), dest=f"{prefix}{f.name}".replace("-", "_"), type=kind,
-                           default=None, metavar=BOOL_METAVAR if kind is _bool else None,
+                           default=None, metavar=metavar,
                            help=f"{_doc(cls, f.name)}(default: {default})")
 
 

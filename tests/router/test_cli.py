@@ -123,3 +123,19 @@ def test_number_flags_are_typed_by_argparse_and_must_be_finite(capsys):
     with pytest.raises(SystemExit):
         _parser().parse_args(["serve", "--policy-max-queue-per-replica", "true"])
     assert "invalid int value: 'true'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("flag", "expected"), [
+    ("sk-a=team-a,sk-b", {"sk-a": "team-a", "sk-b": None}),
+    ('{"sk-a": "team-a", "sk-b": null}', {"sk-a": "team-a", "sk-b": None}),
+])
+def test_api_keys_flag_takes_pairs_or_json(flag, expected):
+    cfg = _config(_parser().parse_args(["serve", "--api-keys", flag]))
+    assert cfg.router.api_keys == expected  # before, every value was refused: 'must be a mapping'
+
+
+@pytest.mark.parametrize("flag", ["=team", "sk-a=", '{"sk-a": 5}', '{"a": '])
+def test_a_malformed_api_keys_flag_is_a_usage_error(flag, capsys):
+    with pytest.raises(SystemExit) as exc:
+        _parser().parse_args(["serve", "--api-keys", flag])
+    assert exc.value.code == 2 and "--api-keys" in capsys.readouterr().err
