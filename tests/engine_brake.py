@@ -140,14 +140,18 @@ def _signal(pid: int, sig: int) -> None:
         pass
 
 
-def relaying(app, rid: str, n: int = 1) -> Callable[[], bool]:
+def relaying(app, rid: str, n: int = 1, most: int | None = None) -> Callable[[], bool]:
     """A ``hold_when`` condition: the router ``app`` relays at least ``n`` streams from replica
-    ``rid`` that have each had a token and are not finished (``router.lifecycle.Flight``)."""
+    ``rid`` that have each had a token and are not finished (``router.lifecycle.Flight``);
+    with ``most``, each has relayed at most that many tokens: the engine, held between bursts,
+    cannot have finished a longer stream whose tail the router has yet to read (a held engine
+    whose stream was already generated let it finish before an update counted it)."""
     from router import keys
 
     def cond() -> bool:
         flights = app[keys.LIFECYCLE].flights.get(rid, {}).values()
-        return sum(1 for f in flights if f.streaming and sum(f.tokens.values()) > 0 and not f.task.done()) >= n
+        return sum(1 for f in flights if f.streaming and 0 < sum(f.tokens.values()) <= (most or 1 << 62)
+                   and not f.task.done()) >= n
     return cond
 
 

@@ -152,15 +152,19 @@ async def test_steps_without_a_weight_change_keep_hitting(http, small):
 
 async def test_flush_with_a_long_request_in_flight_runs_it_again_under_the_new_weights(http, small):
     repeated = prompt(5, 200)
-    async with router_for(small, "flush") as (url, app):
+    pgid = (await small.info(small.endpoints[0].replica_id)).pid
+    async with router_for(small, "flush") as (url, app), EngineBrake(pgid) as brake:
         await complete(http, url, repeated)
         assert cached(await complete(http, url, repeated)) == 192
         long = asyncio.ensure_future(complete(http, url, prompt(6, 100), max_tokens=1200))
-        for _ in range(200):  # dispatched: the router counts it in flight on the replica
-            if app[keys.CORE].in_flight("replica-0"):
-                break
-            await asyncio.sleep(0.01)
-        report = await update(http, url, 1, SEED1, pause_mode="keep")
+        # held while it runs: still in flight when the update drains (unheld, a quiet machine's
+        # engine finished its 1,200 tokens first and nothing was preempted)
+        await brake.hold_when(lambda: app[keys.CORE].in_flight("replica-0") > 0, 60, what="the request in flight")
+        pending = asyncio.ensure_future(update(http, url, 1, SEED1, pause_mode="keep"))
+        await phase_reached(http, url, ADMIN, "replica-0", ("draining", "paused", "loading", "done"))
+        await asyncio.sleep(0.3)  # the update finds it in flight and preempts it
+        brake.release()
+        report = await pending
         replica = report["replicas"][0]
         assert replica["reset_confirmed"] is True and replica["preempted"] == 1, report
         assert cached(await complete(http, url, repeated)) == 0  # really flushed
@@ -178,7 +182,7 @@ async def test_flush_refused_by_a_kept_stream_restores_the_old_weights_and_serve
         body = {"prompt": prompt(8, 100), "max_tokens": 1900, "ignore_eos": True, "stream": True}
         resp = asyncio.ensure_future(http.post(url + "/v1/completions", json=body))
         # held while it streams: it is still running when the update pauses (keep) and resets
-        await brake.hold_when(relaying(app, "replica-0"), 60, what="the stream relaying")
+        await brake.hold_when(relaying(app, "replica-0", most=950), 60, what="the stream relaying")
         update_body = {"version": 1, "weights_path": SEED1, "pause_mode": "keep", "preempt_running": False}
         answer = asyncio.ensure_future(http.post(url + "/admin/weights", json=update_body, headers=ADMIN))
         await phase_reached(http, url, ADMIN, "replica-0", ("draining",))
