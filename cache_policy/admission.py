@@ -239,7 +239,7 @@ class AdmissionQueue:
         self, replicas: Sequence[ReplicaView], pending: Mapping[ReplicaId, int], now: float,
         group_running: Callable[[str | None, ReplicaId], bool] = lambda g, r: False,
         guards: Mapping[ReplicaId, int] | None = None,
-        sessions_full: set[ReplicaId] | frozenset[ReplicaId] = frozenset(),
+        sessions_full: Callable[[ReplicaId], bool] = lambda rid: False,
     ) -> list[AdmissionRequest]:
         """Remove and return the queued requests that fit now, in service order.
 
@@ -258,6 +258,7 @@ class AdmissionQueue:
         groups: set[tuple[str | None, ReplicaId]] = set()  # groups with a member taken in this pass
         taken: list[AdmissionRequest] = []
         joined: dict[int, AdmissionRequest] = {}  # members admitted with their running group
+        full: dict[ReplicaId, bool] = {}  # sessions_full, asked once per replica in this pass
         for req in self._store.in_order():
             rid = req.replica_id
             view = views.get(rid)
@@ -268,7 +269,7 @@ class AdmissionQueue:
                 continue
             now_view = replace(view, in_flight=view.in_flight + extra_in_flight[rid])
             guard = guards.get(rid, 0) if guards and req.priority != "continuing_session" else 0
-            if not joins and (req.opens_session and rid in sessions_full
+            if not joins and (req.opens_session and full.setdefault(rid, sessions_full(rid))
                               or not fits(now_view, extra_blocks[rid], req.new_blocks, self.cfg, guard)[0]):
                 blocked.add(rid)
                 continue

@@ -95,6 +95,8 @@ class AdmissionState:
         self.ledger = KvLedger()
         self._numbers = itertools.count()
         self._unparked_at = float("-inf")
+        self._touched: dict[ReplicaId, list[int]] = {}
+        """Per replica, the free-queue stamps of blocks hits took out of the queue, sorted."""
         self.session_blocks: float | None = None
         """Blocks an ended session held at its last turn (moving average; None before one ended)."""
 
@@ -138,16 +140,24 @@ class AdmissionState:
             return 0
         rid = view.replica_id
         committed = self.ledger.committed(rid) + self.ledger.peer(rid).committed
-        for rec in self.registry.parked_on(rid):
+        taken = self._touched.get(rid, ())
+        lost, rank = [], None
+        for rec in self.registry.parked_on(rid):  # oldest first: the first one kept decides
             if rec.parked_stamp is None:
                 continue
-            rank = freed - rec.parked_stamp - rec.parked_touched
-            if rank > cap - 1 - committed:
-                self.registry.drop_parked(rec)
-                continue
-            budget = self.cfg.high_watermark * cap - self.registry.parked_blocks(view.replica_id)
-            return max(0, math.ceil(budget - (cap - 1 - rank)))
-        return 0
+            rank = freed - rec.parked_stamp - (len(taken) - bisect.bisect_right(taken, rec.parked_stamp))
+            if rank <= cap - 1 - committed:
+                if len(taken) > 4 * cap:  # touches of blocks freed before every parked prefix count for none
+                    del self._touched[rid][:bisect.bisect_right(taken, rec.parked_stamp)]
+                break
+            lost.append(rec)
+            rank = None
+        for rec in lost:
+            self.registry.drop_parked(rec)
+        if rank is None:
+            return 0
+        budget = self.cfg.high_watermark * cap - self.registry.parked_blocks(rid)
+        return max(0, math.ceil(budget - (cap - 1 - rank)))
 
     def sessions_full(self, view: ReplicaView) -> bool:
         """Whether ``view``'s replica has no room for one more session: the sessions live there
@@ -169,15 +179,15 @@ class AdmissionState:
 
     def touched(self, rid: ReplicaId, stamps: list[int]) -> None:
         """A request took free blocks released at ``stamps`` out of ``rid``'s free queue (its
-        prefix hit): each parked prefix released before them moves that many places closer to
-        the tail (``FreeQueueModel.hold``). Counting a resumed session's own prefix as allocation
-        instead declared older parked prefixes lost that the engine still held."""
-        if not stamps:
-            return
-        stamps = sorted(stamps)
-        for rec in self.registry.parked_on(rid):
-            if rec.parked_stamp is not None:
-                rec.parked_touched += len(stamps) - bisect.bisect_right(stamps, rec.parked_stamp)
+        prefix hit): every parked prefix released before one of them is one place closer to the
+        tail (``FreeQueueModel.hold``; counted in :meth:`parked_guard` from a sorted list of the
+        stamps taken, so a hit costs no walk over the parked sessions). Counting a resumed
+        session's own prefix as allocation instead declared older parked prefixes lost that the
+        engine still held."""
+        if stamps:
+            taken = self._touched.setdefault(rid, [])
+            for stamp in stamps:
+                bisect.insort(taken, stamp)
 
     def ask(self, request: AdmissionRequest, view: ReplicaView, now: float,
             freed: int | None = None) -> tuple[Admission, list[AdmissionRequest]]:
@@ -189,7 +199,7 @@ class AdmissionState:
         if with_group:
             request = request.joined()
         guard = self.parked_guard(view, freed) if request.priority != "continuing_session" else 0
-        full = self.session_blocks is not None and self.sessions_full(view)
+        full = request.opens_session and self.sessions_full(view)
         decision = self.queue.admit(request, project(view, self.ledger, self.registry), 0, with_group=with_group,
                                     guard_blocks=guard, sessions_full=full)
         displaced = [decision.displaced] if decision.displaced is not None else []
@@ -230,10 +240,10 @@ class AdmissionState:
             self.registry.unpark_idle(now, self.cfg.session_idle_s, waiting)
         freed = freed or {}
         guards = {v.replica_id: self.parked_guard(v, freed.get(v.replica_id)) for v in views}
-        full = {v.replica_id for v in views if self.sessions_full(v)} if self.session_blocks is not None else set()
+        by_id = {v.replica_id: v for v in views}
         projected = [project(v, self.ledger, self.registry) for v in views]
         taken = self.queue.pop_admissible(projected, {}, now, group_running=self.ledger.group_running,
-                                          guards=guards, sessions_full=full)
+                                          guards=guards, sessions_full=lambda rid: self.sessions_full(by_id[rid]))
         return [(r, self._admit(r, now, waited=True)) for r in taken]
 
     def retry_after_s(self, now: float) -> float:

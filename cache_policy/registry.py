@@ -20,6 +20,7 @@ methods the policies call without a clock.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -42,10 +43,8 @@ class KeyRecord:
     parked: tuple[ReplicaId, int] | None = None
     parked_stamp: int | None = None
     """The replica's free-queue counter just before the prefix was released
-    (``FreeQueueModel.freed``): ``freed - parked_stamp - parked_touched`` bounds the rank of
-    its deepest block from the queue's tail."""
-    parked_touched: int = 0
-    """Blocks released after the prefix and taken out of the free queue since (hits)."""
+    (``FreeQueueModel.freed``): ``freed - parked_stamp``, less the blocks released after it that
+    hits took out of the queue since, bounds the rank of its deepest block from the tail."""
 
     def __post_init__(self) -> None:
         assert self.own_in_flight >= 0 and self.in_flight >= 0, "bug: negative in-flight count"
@@ -171,7 +170,7 @@ class KeyRegistry:
         rec = self.touch("session", session_id)
         self._unpark(rec)
         if rec.in_flight == 0:
-            rec.parked, rec.parked_stamp, rec.parked_touched = (replica, blocks), stamp, 0
+            rec.parked, rec.parked_stamp = (replica, blocks), stamp
             self._parked_sum[replica] = self._parked_sum.get(replica, 0) + blocks
             self._parked_order.setdefault(replica, OrderedDict())[id(rec)] = rec
             while limit is not None and self._parked_sum.get(replica, 0) > limit:
@@ -188,9 +187,10 @@ class KeyRegistry:
         rec = self._records.get(("session", session_id)) if session_id is not None else None
         return rec.parked[1] if rec is not None and rec.parked and rec.parked[0] == replica else 0
 
-    def parked_on(self, replica: ReplicaId) -> list[KeyRecord]:
-        """Records of the sessions parked on ``replica``, oldest parked first (read-only use)."""
-        return list(self._parked_order.get(replica, {}).values())
+    def parked_on(self, replica: ReplicaId) -> Iterable[KeyRecord]:
+        """Records of the sessions parked on ``replica``, oldest parked first (read-only; do not
+        park or unpark while iterating)."""
+        return self._parked_order.get(replica, {}).values()
 
     def drop_parked(self, rec: KeyRecord) -> None:
         """Stop counting ``rec``'s parked prefix (the engine will have evicted it)."""
