@@ -159,7 +159,7 @@ class AdmissionState:
         budget = self.cfg.high_watermark * cap - self.registry.parked_blocks(rid)
         return max(0, math.ceil(budget - (cap - 1 - rank)))
 
-    def sessions_full(self, view: ReplicaView) -> bool:
+    def sessions_full(self, view: ReplicaView, now: float) -> bool:
         """Whether ``view``'s replica has no room for one more session: the sessions live there
         (parked or running), each counted at the larger of what it holds and what sessions end
         at (:attr:`session_blocks`), plus one more at that size, would pass
@@ -168,12 +168,16 @@ class AdmissionState:
         A session's first turn is small and its prefix grows every turn; admitted by its first
         turn alone, more sessions started on a replica than its cache could keep between turns,
         and every one re-prefilled its context (``bench.sim`` 4 replicas, ws/kv 2: agent turns
-        4.5x ideal; with this rule 1.5x). A waiting session starts when one ends or goes idle."""
+        4.5x ideal; with this rule 1.5x). A waiting session starts when one ends or goes idle;
+        a parked session unseen for half of ``queue_timeout_s`` no longer counts here (see
+        ``PolicyConfig.session_fraction``)."""
         expected, cap = self.session_blocks, view.num_gpu_blocks
         if expected is None or not cap or not self.enabled:
             return False
         rid = view.replica_id
-        held = sum(max(expected, rec.parked[1]) for rec in self.registry.parked_on(rid) if rec.parked)
+        recent = now - self.cfg.queue_timeout_s / 2  # parked and unseen since: likely abandoned
+        held = sum(max(expected, rec.parked[1]) for rec in self.registry.parked_on(rid)
+                   if rec.parked and rec.last_seen >= recent)
         held += sum(max(expected, t.blocks) for t in self.ledger.tickets(rid) if t.session_id is not None)
         return held + expected > self.cfg.session_fraction * self.cfg.high_watermark * cap
 
@@ -199,7 +203,7 @@ class AdmissionState:
         if with_group:
             request = request.joined()
         guard = self.parked_guard(view, freed) if request.priority != "continuing_session" else 0
-        full = request.opens_session and self.sessions_full(view)
+        full = request.opens_session and self.sessions_full(view, now)
         decision = self.queue.admit(request, project(view, self.ledger, self.registry), 0, with_group=with_group,
                                     guard_blocks=guard, sessions_full=full)
         displaced = [decision.displaced] if decision.displaced is not None else []
@@ -243,7 +247,7 @@ class AdmissionState:
         by_id = {v.replica_id: v for v in views}
         projected = [project(v, self.ledger, self.registry) for v in views]
         taken = self.queue.pop_admissible(projected, {}, now, group_running=self.ledger.group_running,
-                                          guards=guards, sessions_full=lambda rid: self.sessions_full(by_id[rid]))
+                                          guards=guards, sessions_full=lambda rid: self.sessions_full(by_id[rid], now))
         return [(r, self._admit(r, now, waited=True)) for r in taken]
 
     def retry_after_s(self, now: float) -> float:

@@ -76,6 +76,10 @@ class PolicyConfig:
     """New sessions start on a replica while its live sessions, each counted at the size sessions
     end at (a moving average over ended sessions), leave room for one more within this fraction
     of the watermark budget; past it a session's first turn waits (reason ``session_budget``).
+    A parked session counts here only while seen within half of ``queue_timeout_s``: sessions
+    abandoned without an end stay live until ``session_idle_s`` and would hold their slots that
+    long (a real-vLLM drain test's new sessions waited out their timeout behind the previous
+    test's; capping the wait instead cost the simulator 1.26 -> 1.63x ideal at ws/kv 2).
     The rest stays for short-lived work (GRPO groups, scoring fan-outs), whose churn through the
     cache is what evicts a session's prefix during its tool calls. ``bench.sim`` 4 replicas,
     ws/kv 2: 0.5 gave agent turns 1.56x ideal prefill, 0.35 1.74x, 1 2.10x, no limit 4.5x."""

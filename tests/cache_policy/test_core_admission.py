@@ -327,3 +327,24 @@ def test_without_an_ended_session_new_sessions_are_not_limited(fake_clock):
     for sid in ("s1", "s2", "s3", "s4"):
         park_session(core, fake_clock, sid, 5)
     assert core.admission.session_blocks is None and core.registry.parked_blocks(A) == 20
+
+
+def test_sessions_parked_and_unseen_for_half_the_queue_timeout_leave_the_session_share(fake_clock):
+    # abandoned sessions stay live until session_idle_s: the share must not turn their slots into 429s
+    core = make(queue_timeout_s=30.0, session_idle_s=120.0)
+    prompt = park_session(core, fake_clock, "s0", 10)
+    last = core.open(RequestSpec(tokens(20, prompt), "s0", ends_session=True), fake_clock.now())
+    core.place(last, fake_clock.now())
+    core.admit(last, fake_clock.now())
+    core.finish(last, "ok", fake_clock.now())
+    park_session(core, fake_clock, "gone1", 5)
+    park_session(core, fake_clock, "gone2", 5)
+    waiting, adm = ask(core, fake_clock, 5, session="s3")
+    assert (adm.verdict, adm.reason) == ("queue", "session_budget")
+    fake_clock.advance(14.9)
+    assert core.pump(fake_clock.now()) == []
+    fake_clock.advance(0.2)  # gone1 and gone2 unseen for 15.1 s: 0 + 20 <= 42.5
+    [(job, adm)] = core.pump(fake_clock.now())
+    assert job is waiting and adm.verdict == "admit"
+    assert core.registry.parked_blocks(A) == 10  # still counted against the watermark
+    core.check_integrity()
