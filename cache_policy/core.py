@@ -194,6 +194,7 @@ class DecisionCore:
         self.versions.forget_replica(rid)
         self.admission.ledger.forget_replica(rid)
         self.free_queue.remove_replica(rid)
+        self.admission.forget_replica(rid)
         self.admission.queue.replicas = len(self.replicas)
         self.policy.on_replicas_changed(list(self.replicas))
 
@@ -204,6 +205,7 @@ class DecisionCore:
         rec.num_gpu_blocks, rec.scoring_cap, rec.load = num_gpu_blocks, scoring_cap, ReplicaLoad()
         self.policy.on_cache_reset(rid)
         self.free_queue.reset(rid)
+        self.admission.forget_replica(rid)
         self.registry.drop_replica(rid)
         if version is not None:
             self.versions.set_loaded(rid, version)
@@ -232,6 +234,7 @@ class DecisionCore:
         cache now holds KV of its loaded version only."""
         self.policy.on_cache_reset(rid)
         self.free_queue.reset(rid)
+        self.admission.forget_replica(rid)
         self.versions.cache_reset(rid)
 
     def version_loaded(self, rid: ReplicaId, version: int | None) -> None:
