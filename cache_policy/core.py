@@ -399,7 +399,7 @@ class DecisionCore:
             self._refuse(self._jobs.pop(victim.request_id), "displaced", now)
         job.admission = adm
         if adm.verdict == "admit":
-            self.admission.touched(rid, self.free_queue.hold(rid, job.view.block_hashes))
+            self._hold(job)
         elif adm.verdict == "queue":
             job.queued = request
             self._jobs[str(job.id)] = job
@@ -420,11 +420,16 @@ class DecisionCore:
             job = self._jobs.pop(request.request_id)
             job.queued, job.admission = None, adm
             self._refresh_expected(job, now)  # evictions seen while it waited (KV events) count
-            rid = job.decision.replica_id
-            self.admission.touched(rid, self.free_queue.hold(rid, job.view.block_hashes))
+            self._hold(job)
             self._outbox.append((job, adm))
         out, self._outbox = self._outbox, []
         return out
+
+    def _hold(self, job: Job) -> None:
+        """``job`` was admitted: its prompt blocks leave its replica's free queue (the hits among
+        them move older parked prefixes toward the tail, ``AdmissionState.touched``)."""
+        rid = job.decision.replica_id
+        self.admission.touched(rid, self.free_queue.hold(rid, job.view.block_hashes))
 
     def finish(self, job: Job, outcome: Outcome, now: float) -> None:
         """``job`` ended as ``outcome`` (see :data:`Outcome`). Idempotent for a finished job.
