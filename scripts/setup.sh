@@ -11,7 +11,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/pip install -q --upgrade pip
   .venv/bin/pip install -q -e '.[cpu,test]'
   # PyPI's torchvision/torchaudio/torchcodec do not import beside the CPU torch and break
-  # transformers imports; vLLM's text path does not need them (shared/DESIGN.md).
+  # transformers imports; vLLM's text path does not need them.
   .venv/bin/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
   echo "$want" > "$stamp"
 fi
