@@ -33,7 +33,7 @@ class PrefixAffinityPolicy:
 
     State: ``index`` (block hash -> replicas, filled by ``on_routed``) and ``pins``
     (session/group -> replica, with each pin's own in-flight count). ``select`` reads
-    state (and refreshes LRU positions); ``on_routed`` / ``on_finished`` write it.
+    state (without touching LRU positions); ``on_routed`` (which does) / ``on_finished`` write it.
 
     * A pin holds while its replica is healthy and present, unless staying costs more than
       moving (``cache_policy.move_rule``: the replica is saturated and another one holds
@@ -60,7 +60,7 @@ class PrefixAffinityPolicy:
         candidates = healthy(replicas)
         if not candidates:
             return None
-        matched = self.index.match(request.block_hashes)
+        matched = self.index.match(request.block_hashes, touch=False)  # on_routed's insert touches them
         by_id = {r.replica_id: r for r in replicas}
         pinned = self._from_pins(request, by_id, candidates, matched)
         if pinned is not None:

@@ -15,7 +15,7 @@ is needed. Times are float seconds from the caller's clock; the index remembers 
 from __future__ import annotations
 
 from collections import Counter, OrderedDict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cache_policy.types import BlockHash, ReplicaId
@@ -133,26 +133,46 @@ class PrefixIndex:
                 self._confirmed[replica] += 1
         self._evict()
 
-    def match(self, hashes: Sequence[BlockHash], now: float | None = None) -> dict[ReplicaId, int]:
+    def match(self, hashes: Sequence[BlockHash], now: float | None = None, *, touch: bool = True) -> dict[ReplicaId, int]:
         """Leading blocks of ``hashes`` each replica holds, contiguous from block 0.
 
         Expires stale predictions first (by ``now``, or by the latest time the index was
         given). Replicas holding none of the leading blocks are absent from the result.
-        Touches the matched hashes (LRU).
+        Touches the matched hashes (LRU) unless ``touch`` is False (a caller that inserts
+        ``hashes`` next, which touches all of them: a routing decision).
         """
         self.expire(self._clock(now))
+        entries = self._entries
+        first = entries.get(hashes[0]) if len(hashes) else None
+        if not first:
+            return {}
+        # one pass over the blocks; a replica leaves ``alive`` at the first block it lacks (most
+        # prefixes have one holder: then each block is one dict lookup and one membership test)
         result: dict[ReplicaId, int] = {}
-        alive: set[ReplicaId] = set()
-        for depth, h in enumerate(hashes):
-            holders = self._entries.get(h)
+        alive = list(first)
+        depth = 1
+        for depth in range(1, len(hashes) + 1):
+            if depth == len(hashes):
+                break
+            holders = entries.get(hashes[depth])
             if holders is None:
                 break
-            alive = set(holders) if depth == 0 else alive & holders.keys()
-            if not alive:
-                break
-            for r in alive:
-                result[r] = depth + 1
-        self._touch(hashes[: max(result.values(), default=0)])
+            if len(alive) == 1:
+                if alive[0] not in holders:
+                    break
+                continue
+            still = [r for r in alive if r in holders]
+            if len(still) < len(alive):
+                for r in alive:
+                    if r not in holders:
+                        result[r] = depth
+                alive = still
+                if not alive:
+                    break
+        for r in alive:
+            result[r] = depth
+        if touch:
+            self._touch(hashes[: max(result.values())])
         return result
 
     def expire(self, now: float) -> int:
@@ -242,9 +262,10 @@ class PrefixIndex:
         if counter[replica] == 0:
             del counter[replica]
 
-    def _touch(self, hashes: Iterable[BlockHash]) -> None:
-        for h in reversed(list(hashes)):
-            self._entries.move_to_end(h)
+    def _touch(self, hashes: Sequence[BlockHash]) -> None:
+        move = self._entries.move_to_end
+        for h in reversed(hashes):
+            move(h)
 
     def _evict(self) -> None:
         entries = self._entries

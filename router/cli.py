@@ -187,12 +187,13 @@ async def _serve(cfg: AppConfig) -> None:
     (supervision first, then each replica's whole process group), and this returns (exit 0)."""
     from replicas.replica_set import ReplicaSet
     from router.server import running_router
-    from router.shutdown import drain
+    from router.shutdown import SHUTDOWN, drain
 
     signals = _Signals(asyncio.get_running_loop())
     async with ReplicaSet(cfg.replicas) as replica_set:
         signals.install()  # again: starting Ray may have replaced the handlers
         async with running_router(cfg, replica_set.endpoints, replica_set=replica_set) as (url, app):
+            signals.on_first = app[SHUTDOWN].refuse_new
             print(f"rollout-router serving {len(replica_set.endpoints)} replica(s) at {url} "
                   f"(policy {cfg.router.policy}); Ctrl-C or SIGTERM stops", flush=True)
             await signals.first.wait()
@@ -212,6 +213,9 @@ class _Signals:
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop, self.first, self.second = loop, asyncio.Event(), asyncio.Event()
+        self.on_first: Callable[[], None] | None = None
+        """Called inside the signal's own callback, before any other task runs (the router's
+        ``Shutdown.refuse_new``)."""
         self.install()
 
     def install(self) -> None:
@@ -219,6 +223,8 @@ class _Signals:
             self.loop.add_signal_handler(sig, self._on_signal)
 
     def _on_signal(self) -> None:
+        if not self.first.is_set() and self.on_first is not None:
+            self.on_first()
         (self.second if self.first.is_set() else self.first).set()
 
 

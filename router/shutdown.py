@@ -38,15 +38,24 @@ class Shutdown:
         self.draining = False
         self.on_drain: list[Hook] = []
         """Called once by :meth:`begin`, in order, after ``draining`` is set."""
+        self._begun = False
         self.in_flight = 0
         """Requests inside a handler right now (counted by :func:`drain_middleware`)."""
         self._idle = asyncio.Event()
         self._idle.set()
 
+    def refuse_new(self) -> None:
+        """Refuse new work from now on, synchronously: for a signal handler, so that a request
+        the event loop reads after the signal is refused even when the loop was starved long
+        enough for both to arrive together (the drain coroutine needs several loop turns)."""
+        self.draining = True
+
     async def begin(self) -> None:
-        """Refuse new work from now on and run the ``on_drain`` hooks (idempotent)."""
-        if self.draining:
+        """Refuse new work from now on and run the ``on_drain`` hooks (once; a call after
+        :meth:`refuse_new` still runs them)."""
+        if self._begun:
             return
+        self._begun = True
         self.draining = True
         for hook in self.on_drain:
             try:

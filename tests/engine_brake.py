@@ -31,6 +31,8 @@ class EngineBrake:
     def __init__(self, pgid: int) -> None:
         self.pgid = pgid
         self.held = False
+        self.holds = 0
+        """How many times :meth:`hold` has stopped the engine (a condition can tell a new hold)."""
         self._stopped: list[int] = []
         self._engine: list[int] = []
 
@@ -51,6 +53,7 @@ class EngineBrake:
         for pid in self._stopped:
             _signal(pid, signal.SIGSTOP)
         self.held = True
+        self.holds += 1
 
     def release(self) -> None:
         """Let the stopped processes run again (those still alive). Idempotent."""

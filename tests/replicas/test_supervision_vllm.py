@@ -146,5 +146,8 @@ async def test_an_added_replica_serves_and_a_drain_lets_its_request_finish(watch
         assert request.done()  # the drain waited for it
         status, payload = request.result()
     assert drained and status == 200 and payload["usage"]["completion_tokens"] == LONG_TOKENS
-    assert [e.kind for e in await watched.next("removed", 5)] == ["draining", "removed"]
+    # health checks may time out while the drained replica decodes on a loaded machine (two full
+    # runs saw unhealthy/healthy between the two): they must not restart it, nor change the order
+    events = await watched.next("removed", 5)
+    assert [e.kind for e in events if e.kind not in ("unhealthy", "healthy")] == ["draining", "removed"], events
     assert [e.replica_id for e in rs.endpoints] == ["replica-0"] and await _gone(pgid, GONE_WITHIN_S) == []

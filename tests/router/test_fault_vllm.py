@@ -95,13 +95,21 @@ async def _kill_under_load(fleet: Fleet, victim: str, seed: int, kill) -> tuple[
     flights = fleet.app[keys.LIFECYCLE].flights
     load = MixedLoad(fleet.http, fleet.url, MixedWorkload(**{**LOAD.__dict__, "seed": seed}), tag=f"t{seed}")
     load.start()
-    caught = lambda: any(f.job.spec.session_id in load.in_flight  # noqa: E731
-                         for f in flights.get(victim, {}).values())
     await _until(lambda: len(load.records) >= 8, 120, "the load running")
-    # the victim's engine is held once a session turn is dispatched to it, and killed held: the
-    # turn cannot finish first (on a loaded machine a 48-token turn can end within the kill's ms)
+    # the victim's engine is held once a session turn is dispatched to it *while held*, and killed
+    # held: the turn cannot finish first (a turn dispatched before the hold may already be decoded,
+    # its answer on its way: a full CI run saw one end 1 ms after the kill, with no retry)
     async with EngineBrake((await fleet.rs.info(victim)).pid) as brake:
-        await brake.hold_when(caught, 120, what=f"a session turn in flight on {victim}")
+        seen = {"hold": -1, "before": []}
+
+        def caught() -> bool:
+            now = [f for f in flights.get(victim, {}).values() if f.job.spec.session_id in load.in_flight]
+            if seen["hold"] != brake.holds:  # first look after a new hold: what was there before it
+                seen["hold"], seen["before"] = brake.holds, now
+                return False
+            return any(all(f is not g for g in seen["before"]) for f in now)
+
+        await brake.hold_when(caught, 120, settle_s=2.0, what=f"a session turn dispatched to {victim} while held")
         killed_at = time.monotonic()
         await kill()
     # the load goes on until the caught turns have moved and more has run on the survivor, then
