@@ -272,9 +272,10 @@ class DecisionCore:
         if rec is None or rec.replica != rid:
             self.registry.record(kind, key, rid)  # type: ignore[arg-type]
 
-    def end_session(self, session_id: str) -> None:
-        """The client ended ``session_id``: its pin and parked prefix are released at once."""
-        self.registry.end("session", session_id)
+    def end_session(self, session_id: str) -> bool:
+        """The client ended ``session_id``: its pin and parked prefix are released at once.
+        False when this router holds no record of it (never seen, already ended, or expired)."""
+        return self.registry.end("session", session_id)
 
     # -- sharing with other routers (cache_policy.sharing; router.state carries it out) ---------
 
@@ -465,6 +466,8 @@ class DecisionCore:
         job.done = True
         if outcome == "ok" and job.spec.ends_session and job.spec.session_id is not None:
             self.end_session(job.spec.session_id)
+        elif job.spec.session_id is not None:  # its session ended while it ran: forget it now
+            self.registry.drop_ended("session", job.spec.session_id)
 
     def dispatchable(self, job: Job) -> bool:
         """Whether the admitted ``job`` may be sent now: its replica is still in rotation and

@@ -45,6 +45,9 @@ class KeyRecord:
     """The replica's free-queue counter just before the prefix was released
     (``FreeQueueModel.freed``): ``freed - parked_stamp``, less the blocks released after it that
     hits took out of the queue since, bounds the rank of its deepest block from the tail."""
+    ended: bool = False
+    """The client ended the key while requests of it were in flight (:meth:`KeyRegistry.end`):
+    their finish parks nothing, and the last one drops the record (:meth:`KeyRegistry.drop_ended`)."""
 
     def __post_init__(self) -> None:
         assert self.own_in_flight >= 0 and self.in_flight >= 0, "bug: negative in-flight count"
@@ -109,9 +112,10 @@ class KeyRegistry:
             rec.replica, rec.own_in_flight = replica, 0
 
     def started(self, kind: KeyKind, key: str, replica: ReplicaId, count: int = 1) -> None:
-        """``count`` more requests of ``key`` run on ``replica``."""
+        """``count`` more requests of ``key`` run on ``replica`` (a key ended before lives again)."""
         rec = self.touch(kind, key)
         rec.in_flight += count
+        rec.ended = False
         if rec.replica == replica:
             rec.own_in_flight += count
 
@@ -169,7 +173,7 @@ class KeyRegistry:
         ``cache_policy.admission_state.parked_limit`` for why."""
         rec = self.touch("session", session_id)
         self._unpark(rec)
-        if rec.in_flight == 0:
+        if rec.in_flight == 0 and not rec.ended:
             rec.parked, rec.parked_stamp = (replica, blocks), stamp
             self._parked_sum[replica] = self._parked_sum.get(replica, 0) + blocks
             self._parked_order.setdefault(replica, OrderedDict())[id(rec)] = rec
@@ -206,16 +210,24 @@ class KeyRegistry:
             if rec.parked is not None and key not in keep and now - rec.last_seen > idle_s:
                 self._unpark(rec)
 
-    def end(self, kind: KeyKind, key: str) -> None:
-        """The client ended ``key``: drop its pin, parked prefix and start version."""
+    def end(self, kind: KeyKind, key: str) -> bool:
+        """The client ended ``key``: drop its pin, parked prefix and start version (the record
+        too once nothing of it is in flight: :meth:`drop_ended`). False when there is nothing
+        to end (never seen, already ended, or expired)."""
         rec = self._records.get((kind, key))
-        if rec is None:
-            return
+        if rec is None or rec.ended:
+            return False
         self._unpark(rec)
-        if rec.in_flight == 0:
+        rec.replica, rec.own_in_flight, rec.start_version, rec.ended = None, 0, None, True
+        self.drop_ended(kind, key)
+        return True
+
+    def drop_ended(self, kind: KeyKind, key: str) -> None:
+        """Forget ``key`` if it was ended and nothing of it is in flight any more."""
+        rec = self._records.get((kind, key))
+        if rec is not None and rec.ended and rec.in_flight == 0:
+            self._unpark(rec)
             del self._records[(kind, key)]
-        else:
-            rec.replica, rec.own_in_flight, rec.start_version = None, 0, None
 
     def expire(self, now: float) -> int:
         """Drop records untouched for longer than ``ttl_s`` with nothing in flight; how many."""

@@ -144,6 +144,19 @@ def test_an_ended_session_releases_its_pin_and_parked_prefix():
     assert core.registry.get("session", "s") is None and core.registry.parked_blocks(rid) == 0
 
 
+def test_ending_a_session_says_whether_there_was_one():
+    core = fleet()
+    assert core.end_session("never-seen") is False
+    job, _ = run(core, RequestSpec(list(range(64)), session_id="s"), 0.0)
+    rid = job.replica_id
+    assert core.end_session("s") is True  # in flight: its pin goes at once, the record once it finishes
+    assert core.registry.get("session", "s") is None and core.end_session("s") is False
+    core.finish(job, "ok", 0.0)  # parks nothing for the ended session
+    assert core.registry.parked_blocks(rid) == 0 and ("session", "s") not in core.registry._records
+    assert core.end_session("s") is False
+    core.check_integrity()
+
+
 def test_a_down_replica_is_marked_at_once_and_the_job_placed_elsewhere():
     core = fleet()
     job, _ = run(core, RequestSpec(list(range(100)), session_id="s"), 0.0)
