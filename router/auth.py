@@ -29,7 +29,6 @@ class Forbidden(RouterError):
     """The credentials are valid but may not do this (403)."""
 
     status = 403
-    type = "permission_error"
 
 
 def header_bytes(value: str) -> bytes:

@@ -4,7 +4,8 @@ Caller mistakes are 4xx naming the field (input they quote is cut short by :func
 replica failure that cannot be retried is 502; no eligible replica is 503; an overloaded router
 is 429 with Retry-After. The router's own code never answers 5xx to a request on purpose: an
 exception nobody expected is the last line, a 500 carrying an error id that is logged with its
-traceback, never aiohttp's bare page.
+traceback, never aiohttp's bare page. Every error body the router writes itself comes from
+:func:`error_body`, its ``type`` from the status alone (:func:`error_type`, OpenAI's names).
 """
 
 from __future__ import annotations
@@ -34,11 +35,32 @@ def echo(value: object, limit: int = ECHO_CHARS) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
+ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error"}
+"""OpenAI's error ``type`` for the statuses that have their own (its SDK's ``AuthenticationError``,
+``PermissionDeniedError``, ``RateLimitError``); any other 4xx is ``invalid_request_error``, any
+5xx ``server_error`` (:func:`error_type`)."""
+
+
+def error_type(status: int) -> str:
+    """The ``error.type`` of every error body the router writes with HTTP ``status``."""
+    return ERROR_TYPES.get(status) or ("invalid_request_error" if status < 500 else "server_error")
+
+
+def error_body(status: int, message: str, *, param: str | None = None) -> dict:
+    """An OpenAI-style error body, ``{"error": {"message", "type", "param", "code"}}``: the one
+    place the router builds one (``code`` is the HTTP status, ``type`` :func:`error_type`)."""
+    return {"error": {"message": message, "type": error_type(status), "param": param, "code": status}}
+
+
 class RouterError(Exception):
-    """Base: ``status`` is the HTTP status, ``param`` the offending request field if any."""
+    """Base: ``status`` is the HTTP status, ``param`` the offending request field if any; the
+    error ``type`` follows from the status (:func:`error_type`)."""
 
     status = 500
-    type = "internal_error"
+
+    @property
+    def type(self) -> str:
+        return error_type(self.status)
 
     def __init__(self, message: str, *, param: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
@@ -51,21 +73,18 @@ class BadRequest(RouterError):
     """The request body or headers are invalid (400); ``param`` names the field."""
 
     status = 400
-    type = "invalid_request_error"
 
 
 class Unauthorized(RouterError):
     """Missing or wrong credentials (401)."""
 
     status = 401
-    type = "authentication_error"
 
 
 class PayloadTooLarge(RouterError):
     """The request body is over ``router.max_body_bytes`` (413)."""
 
     status = 413
-    type = "invalid_request_error"
 
 
 class UnsupportedMediaType(RouterError):
@@ -73,35 +92,30 @@ class UnsupportedMediaType(RouterError):
     cannot decode (415)."""
 
     status = 415
-    type = "invalid_request_error"
 
 
 class RequestTimeout(RouterError):
     """The client sent its body too slowly (408, past ``router.body_timeout_s``)."""
 
     status = 408
-    type = "invalid_request_error"
 
 
 class NoReplica(RouterError):
     """No healthy replica can take the request (503)."""
 
     status = 503
-    type = "service_unavailable"
 
 
 class Overloaded(RouterError):
     """Admission refused the request (429); carries Retry-After."""
 
     status = 429
-    type = "rate_limit_error"
 
 
 class UpstreamError(RouterError):
     """A replica failed and the request could not safely be retried (502)."""
 
     status = 502
-    type = "upstream_error"
 
 
 REPLICA_PARAMS = {"input_tokens": {"completions": "prompt", "chat": "messages", "score": "context"},
@@ -161,10 +175,11 @@ def with_router_param(payload: dict, endpoint: str) -> dict:
     return payload
 
 
-def error_response(status: int, message: str, *, type_: str, param: str | None = None,
+def error_response(status: int, message: str, *, param: str | None = None,
                    headers: dict[str, str] | None = None) -> web.Response:
-    body = {"error": {"message": message, "type": type_, "param": param, "code": status}}
-    return web.Response(status=status, text=json.dumps(body), content_type="application/json", headers=headers)
+    """:func:`error_body` as a JSON response."""
+    return web.Response(status=status, text=json.dumps(error_body(status, message, param=param)),
+                        content_type="application/json", headers=headers)
 
 
 @web.middleware
@@ -175,13 +190,12 @@ async def error_middleware(request: web.Request, handler):
     except RouterError as exc:
         if exc.status >= 500:
             log.warning("%s %s -> %d: %s", request.method, request.path, exc.status, exc.message)
-        return error_response(exc.status, exc.message, type_=exc.type, param=exc.param, headers=exc.headers)
+        return error_response(exc.status, exc.message, param=exc.param, headers=exc.headers)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        return error_response(exc.status, exc.reason, type_="http_error", headers=None)
+        return error_response(exc.status, exc.reason, headers=None)
     except Exception:  # the last line: a bug, never a bare page (asyncio.CancelledError passes)
         error_id = uuid.uuid4().hex[:12]
         log.exception("unexpected error %s on %s %s", error_id, request.method, request.path)
-        return error_response(500, f"internal error {error_id}: the router logged it; please report it",
-                              type_="internal_error")
+        return error_response(500, f"internal error {error_id}: the router logged it; please report it")

@@ -35,7 +35,6 @@ class NoFleet(RouterError):
     """The router fronts a fixed list of endpoints: nothing to add or remove (409)."""
 
     status = 409
-    type = "conflict"
 
 
 def attach_fleet(app: web.Application, replica_set) -> None:

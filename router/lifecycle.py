@@ -62,7 +62,6 @@ class Stale(RouterError):
     """The request's ``weight_version`` is more than ``router.max_staleness`` behind (409)."""
 
     status = 409
-    type = "conflict"
 
 
 @dataclass(eq=False)

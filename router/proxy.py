@@ -22,7 +22,7 @@ from aiohttp import web
 from yarl import URL
 
 from replicas.auth import PROCESS_KEYS, bearer
-from router.errors import UpstreamError
+from router.errors import UpstreamError, error_body
 from router.weights.stream import relay_events
 
 log = logging.getLogger(__name__)
@@ -142,7 +142,7 @@ STREAM_ERROR_CODE = 503
 
 async def _end_with_error(resp: web.StreamResponse, message: str) -> None:
     """Close a started stream properly: an OpenAI-style error event, then ``[DONE]``."""
-    event = {"error": {"message": message, "type": "upstream_error", "param": None, "code": STREAM_ERROR_CODE}}
+    event = error_body(STREAM_ERROR_CODE, message)
     try:
         await resp.write(b"data: " + json.dumps(event).encode() + b"\n\ndata: [DONE]\n\n")
         await resp.write_eof()

@@ -101,7 +101,7 @@ def _replica_rejection(result) -> RouterError:
     message = error.get("message") or result.raw[:200].decode("utf-8", "replace")
     exc = RouterError(f"replica rejected the scoring request: {message}",
                       param=router_param(error.get("param"), "score") or "responses")
-    exc.status, exc.type = result.status, "invalid_request_error"
+    exc.status = result.status  # its type follows (router.errors.error_type)
     return exc
 
 

@@ -24,6 +24,8 @@ from typing import Awaitable, Callable, Union
 
 from aiohttp import web
 
+from router.errors import error_body
+
 log = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 5
@@ -101,8 +103,7 @@ async def drain_middleware(request: web.Request, handler):
 
 def refused() -> web.Response:
     """The answer to a request the stopping router will not serve (also for queued ones)."""
-    body = {"error": {"message": "the router is shutting down; retry on another router or later",
-                      "type": "service_unavailable", "param": None, "code": 503}}
+    body = error_body(503, "the router is shutting down; retry on another router or later")
     return web.json_response(body, status=503, headers={"Retry-After": str(RETRY_AFTER_S)})
 
 

@@ -20,7 +20,6 @@ class UpdateInProgress(RouterError):
     """Another weight update is running, or the call names an update that is not (409)."""
 
     status = 409
-    type = "conflict"
 
 
 @dataclass

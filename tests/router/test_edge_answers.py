@@ -3,9 +3,14 @@ one shape. Real HTTP on loopback, a fake replica (tests/router/edge_fixtures.py)
 
 from __future__ import annotations
 
+import json
+
 import aiohttp
 import pytest
 
+from router import keys
+from router.errors import error_body, error_type
+from router.shutdown import SHUTDOWN, refused
 from tests.router.edge_fixtures import edge_router, fake_replica, post
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -31,3 +36,58 @@ async def test_deleting_a_session_the_router_never_saw_says_it_ended_nothing():
         assert (status, body["ended"]) == (200, False)
         status, body, _ = await call("DELETE", url + "/v1/sessions/" + "s" * 300)
         assert (status, body["error"]["param"], body["error"]["type"]) == (400, "session_id", "invalid_request_error")
+
+
+async def test_error_types_follow_openais_names_from_the_status_alone():
+    assert {s: error_type(s) for s in (400, 401, 403, 404, 405, 408, 409, 413, 415, 429, 500, 502, 503)} == {
+        400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+        404: "invalid_request_error", 405: "invalid_request_error", 408: "invalid_request_error",
+        409: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
+        429: "rate_limit_error", 500: "server_error", 502: "server_error", 503: "server_error"}
+    assert error_body(503, "m") == {"error": {"message": "m", "type": "server_error", "param": None, "code": 503}}
+
+
+async def test_every_error_the_router_writes_has_the_type_of_its_status():
+    async with fake_replica() as replica, edge_router(replica, admin_token="t") as (url, app):
+        answers = [
+            await call("POST", url + "/v1/completions", json={"prompt": [5, 6], "n": 0}),  # 400 (BadRequest)
+            await call("GET", url + "/v1/nowhere"),  # 404 (aiohttp's HTTPNotFound, was "http_error")
+            await call("GET", url + "/v1/completions"),  # 405
+            await call("GET", url + "/admin/replicas"),  # 401: no admin token
+            await call("POST", url + "/admin/replicas", json={}, headers={"Authorization": "Bearer t"}),  # 409
+        ]
+        app[keys.CORE].set_health("replica-0", False)
+        answers.append(await call("POST", url + "/v1/completions", json={"prompt": [5, 6]}))  # 503 (NoReplica)
+        app[SHUTDOWN].draining = True
+        answers.append(await call("POST", url + "/v1/completions", json={"prompt": [5, 6]}))  # 503 (shutdown)
+    statuses = [status for status, _, _ in answers]
+    assert statuses == [400, 404, 405, 401, 409, 503, 503], answers
+    for status, body, _ in answers:
+        assert body["error"]["type"] == error_type(status) and body["error"]["code"] == status, body
+        assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert [body["error"]["type"] for _, body, _ in answers] == [
+        "invalid_request_error", "invalid_request_error", "invalid_request_error", "authentication_error",
+        "invalid_request_error", "server_error", "server_error"]
+    assert answers[0][1]["error"]["param"] == "n"
+    assert answers[-1][2]["Retry-After"] and refused().status == 503
+
+
+async def test_the_error_event_ending_a_broken_stream_has_the_same_shape():
+    from aiohttp import web
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from router.proxy import STREAM_ERROR_CODE, _end_with_error
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        await _end_with_error(resp, "replica broke the stream")
+        return resp
+
+    app = web.Application()
+    app.router.add_get("/", handler)
+    async with TestClient(TestServer(app)) as client:
+        text = await (await client.get("/")).text()
+    event = json.loads(text.split("data: ")[1])
+    assert event == error_body(STREAM_ERROR_CODE, "replica broke the stream")
+    assert event["error"]["type"] == "server_error" and text.endswith("data: [DONE]\n\n")
