@@ -135,6 +135,8 @@ REQUEST_FIELDS = frozenset("""
     return_tokens_as_token_ids return_token_ids logits_processors kv_transfer_params parallel_tool_calls
     """.split())
 """OpenAI/vLLM request fields a replica's error message may name when its ``param`` is null."""
+_INDEX = re.compile(r"\.([0-9]+)(?=\.|$)")
+"""A list index in a dotted pydantic location (``messages.0.content``)."""
 _WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _OUT_OF_VOCABULARY = re.compile(r"\bToken id -?\d+ is out of vocabulary")
 """vLLM 0.32's refusal of a prompt token ID, sent with a null ``param`` (``renderers/base.py``
@@ -145,13 +147,15 @@ the input tokens. A router without a tokenizer relies on it (``router.tokenize``
 def router_param(param: object, endpoint: str) -> object:
     """The field of *our* request that a replica's ``error.param`` refers to, for ``endpoint``
     (``"completions"``, ``"chat"``, ``"score"``): a location prefix is dropped (``"body.seed"`` ->
-    ``"seed"``, ``"body.messages.0.content"`` -> ``"messages.0.content"``), vLLM's own names are
-    translated (``input_tokens`` -> ``prompt``); other names pass through unchanged."""
+    ``"seed"``) and list indexes are written as the router's own errors write them
+    (``"body.messages.0.content"`` -> ``"messages[0].content"``, ``router.schemas.error_param``),
+    vLLM's own names are translated (``input_tokens`` -> ``prompt``); other names pass through."""
     if not isinstance(param, str):
         return param
     location, dot, field = param.partition(".")
     if dot and field and location in _LOCATIONS:
         param = field
+    param = _INDEX.sub(r"[\1]", param)
     return REPLICA_PARAMS.get(param, {}).get(endpoint, param)
 
 

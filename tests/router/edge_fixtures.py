@@ -1,7 +1,8 @@
 """A router on loopback in front of a small fake replica, for edge cases no real engine is needed for.
 
 The fake replica answers ``/v1/completions`` and ``/v1/chat/completions`` like vLLM (a 200 with
-usage, ``prompt_logprobs`` rows when asked, or vLLM's 400 error shape when the body asks for it)
+usage, ``prompt_logprobs`` rows when asked, or vLLM's 400 error shape when the body asks for it:
+``temperature < 0``, a string ``seed``, or ``x_replica_param`` naming the ``param`` to refuse)
 and records every body it receives.
 """
 
@@ -44,6 +45,8 @@ def fake_replica_app(seen: list[dict[str, Any]]) -> web.Application:
             return web.json_response({"error": VLLM_NULL_PARAM}, status=400)
         if isinstance(body.get("seed"), str):
             return web.json_response({"error": VLLM_BODY_PARAM}, status=400)
+        if "x_replica_param" in body:  # a refusal naming the field vLLM's way, as the body says
+            return web.json_response({"error": {**VLLM_BODY_PARAM, "param": body["x_replica_param"]}}, status=400)
         prompt = body.get("prompt") or []
         choice: dict[str, Any] = {"index": 0, "text": "ok"}
         if body.get("prompt_logprobs") is not None:  # a scoring request: one row per prompt token but the first

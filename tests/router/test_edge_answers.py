@@ -91,3 +91,17 @@ async def test_the_error_event_ending_a_broken_stream_has_the_same_shape():
     event = json.loads(text.split("data: ")[1])
     assert event == error_body(STREAM_ERROR_CODE, "replica broke the stream")
     assert event["error"]["type"] == "server_error" and text.endswith("data: [DONE]\n\n")
+
+
+async def test_a_replica_param_with_list_indexes_is_written_as_the_routers_own():
+    """README: vLLM's ``body.messages.0.content`` comes back as ``messages[0].content``, the form the
+    router's own errors use (``messages[0].role`` below)."""
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    async with fake_replica() as replica, edge_router(replica) as (url, _):
+        for sent, param in (("body.messages.0.content", "messages[0].content"),
+                            ("body.messages.0.content.1.text", "messages[0].content[1].text"),
+                            ("body.seed", "seed")):
+            status, answer = await post(url, "/v1/chat/completions", json={**chat, "x_replica_param": sent})
+            assert (status, answer["error"]["param"]) == (400, param), answer
+        status, answer = await post(url, "/v1/chat/completions", json={"messages": [{"content": "hi"}]})
+        assert (status, answer["error"]["param"]) == (400, "messages[0].role"), answer

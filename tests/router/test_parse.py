@@ -47,7 +47,7 @@ def test_replica_location_prefixes_are_dropped():
     from router.errors import router_param, with_router_param
 
     assert router_param("body.seed", "completions") == "seed"
-    assert router_param("body.messages.0.content", "chat") == "messages.0.content"
+    assert router_param("body.messages.0.content", "chat") == "messages[0].content"
     assert router_param("body.input_tokens", "score") == "context"
     assert router_param("body", "chat") == "body" and router_param("bodyguard.x", "chat") == "bodyguard.x"
     answer = {"error": {"message": "bad seed", "param": "body.seed", "code": 400}}
