@@ -162,6 +162,25 @@ def refuse_router_set_fields(body: dict[str, Any]) -> None:
             raise BadRequest(f"'{name}' is not accepted: {why}", param=name)
 
 
+PLUGIN_XARGS_PREFIX = "rollout_router_"
+"""The replica plugin's ``vllm_xargs`` keys (``replicas.vllm_plugin``: ``SCORE_START_KEY``,
+``DETOKENIZE_KEY``, the test hooks' ``SKIP_CAP_KEY``) all start so; only the router sets them."""
+
+
+def refuse_plugin_xargs(body: dict[str, Any]) -> None:
+    """BadRequest naming ``vllm_xargs.<key>`` when a client sets one of the replica plugin's keys
+    (it moved the scoring cap's start or turned detokenizing off for its own request); any other
+    ``vllm_xargs`` key is forwarded as sent."""
+    xargs = body.get("vllm_xargs")
+    if not isinstance(xargs, dict):
+        return
+    for key in xargs:
+        if isinstance(key, str) and key.startswith(PLUGIN_XARGS_PREFIX):
+            param = f"vllm_xargs.{echo(key)}"
+            raise BadRequest(f"'{param}' is not accepted: keys starting with {PLUGIN_XARGS_PREFIX!r} are the "
+                             "replica plugin's, set by the router itself (scoring: POST /v1/score)", param=param)
+
+
 def _is_token_ids(value: Any) -> bool:
     return isinstance(value, list) and all_ints(value)
 
@@ -255,6 +274,7 @@ def parse_completion(body: dict[str, Any], headers: Mapping[str, str], *, limits
     """Validate a /v1/completions body (mutated: routing fields removed)."""
     limits = limits or default_limits()
     refuse_router_set_fields(body)
+    refuse_plugin_xargs(body)
     keys, stream = routing_keys(body, headers, limits, tenant), _validate_common(body, limits)
     prompt, max_id = _validate_prompt(body.get("prompt"), limits)
     # every prompt _validate_prompt passes, the model passes too: it need not walk the token IDs again
@@ -267,6 +287,7 @@ def parse_chat(body: dict[str, Any], headers: Mapping[str, str], *, limits: Limi
     """Validate a /v1/chat/completions body (mutated: routing fields removed)."""
     limits = limits or default_limits()
     refuse_router_set_fields(body)
+    refuse_plugin_xargs(body)
     keys, stream = routing_keys(body, headers, limits, tenant), _validate_common(body, limits)
     messages = validate_messages(body.get("messages"), limits)
     validate_body(ChatRequest, body)

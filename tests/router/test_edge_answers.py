@@ -105,3 +105,21 @@ async def test_a_replica_param_with_list_indexes_is_written_as_the_routers_own()
             assert (status, answer["error"]["param"]) == (400, param), answer
         status, answer = await post(url, "/v1/chat/completions", json={"messages": [{"content": "hi"}]})
         assert (status, answer["error"]["param"]) == (400, "messages[0].role"), answer
+
+
+async def test_a_client_may_not_set_the_replica_plugins_vllm_xargs():
+    from replicas.vllm_plugin.contract import DETOKENIZE_KEY, SCORE_START_KEY
+    from replicas.vllm_plugin.testing_hooks import SKIP_CAP_KEY
+    from router.parse import PLUGIN_XARGS_PREFIX
+
+    assert all(k.startswith(PLUGIN_XARGS_PREFIX) for k in (SCORE_START_KEY, DETOKENIZE_KEY, SKIP_CAP_KEY))
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    async with fake_replica() as replica, edge_router(replica) as (url, _):
+        for path, body in (("/v1/completions", {"prompt": [5, 6]}), ("/v1/chat/completions", chat)):
+            for key, value in ((SCORE_START_KEY, 0), (DETOKENIZE_KEY, False), (SKIP_CAP_KEY, True)):
+                status, answer = await post(url, path, json={**body, "vllm_xargs": {"other": 1, key: value}})
+                assert (status, answer["error"]["param"]) == (400, f"vllm_xargs.{key}"), answer
+                assert answer["error"]["type"] == "invalid_request_error"
+        assert replica.bodies == []
+        status, _ = await post(url, "/v1/completions", json={"prompt": [5, 6], "vllm_xargs": {"other": 1}})
+        assert status == 200 and replica.bodies[-1]["vllm_xargs"] == {"other": 1}  # other keys pass through
