@@ -64,6 +64,15 @@ def _api_keys(text: str) -> dict[str, str | None]:
     return out
 
 
+def _choices(cls: type, f: dataclasses.Field) -> tuple[str, ...] | None:
+    """The values of a Literal-typed field (``Literal[...]`` or ``Literal[...] | None``), else None."""
+    hint = typing.get_type_hints(cls)[f.name]
+    for t in (hint, *typing.get_args(hint)):
+        if typing.get_origin(t) is typing.Literal:
+            return tuple(str(v) for v in typing.get_args(t))
+    return None
+
+
 def _flag_type(cls: type, f: dataclasses.Field) -> type | None:
     hint = typing.get_type_hints(cls)[f.name]
     if typing.get_origin(hint) is typing.Literal:
@@ -90,7 +99,10 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, prefix: str 
             continue
         default = (f.default if f.default is not dataclasses.MISSING
                    else f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
-        metavar = BOOL_METAVAR if kind is _bool else "KEY=TENANT,..." if kind is _api_keys else None
+        choices = _choices(cls, f)
+        # a Literal's values show as {a,b} (checked by the config, whose error names the YAML path)
+        metavar = (BOOL_METAVAR if kind is _bool else "KEY=TENANT,..." if kind is _api_keys
+                   else "{" + ",".join(choices) + "}" if choices else None)
         group.add_argument(f"--{prefix}{f.name}".replace("_", "-"), dest=f"{prefix}{f.name}".replace("-", "_"), type=kind,
                            default=None, metavar=metavar,
                            help=f"{_doc(cls, f.name)}(default: {default})")

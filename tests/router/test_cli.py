@@ -74,6 +74,21 @@ def test_boolean_flags_say_they_take_true_or_false(capsys):
     assert _config(_parser().parse_args(["serve", "--admission", "off"])).router.admission is False
 
 
+def test_choice_flags_list_their_choices_in_help(capsys):
+    """Literal-typed config fields show their values; a value outside them stays a config error
+    naming the YAML path (exit 2), as in a YAML file."""
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["serve", "--help"])
+    help_text = capsys.readouterr().out
+    for flag in ("--event-loop {uvloop,asyncio}", "--state {memory,redis}", "--weight-update-mode {rolling,all}",
+                 "--policy {prefix_affinity,round_robin,least_load}",
+                 "--weight-update-policy {flush,keep,salt,keep+salt}"):
+        assert flag in help_text, flag
+    assert _config(_parser().parse_args(["serve", "--event-loop", "asyncio"])).router.event_loop == "asyncio"
+    assert main(["serve", "--event-loop", "trio"]) == 2
+    assert "router.event_loop" in capsys.readouterr().err
+
+
 def test_help_leaves_spec_references_out():
     import subprocess
     import sys
