@@ -3,6 +3,7 @@ one shape. Real HTTP on loopback, a fake replica (tests/router/edge_fixtures.py)
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import aiohttp
@@ -123,3 +124,35 @@ async def test_a_client_may_not_set_the_replica_plugins_vllm_xargs():
         assert replica.bodies == []
         status, _ = await post(url, "/v1/completions", json={"prompt": [5, 6], "vllm_xargs": {"other": 1}})
         assert status == 200 and replica.bodies[-1]["vllm_xargs"] == {"other": 1}  # other keys pass through
+
+
+async def test_malformed_chunked_framing_is_a_4xx_and_the_router_goes_on():
+    """aiohttp's parser answers framing errors itself (README "The edge"): a plain-text 400 when the
+    bad chunk comes with the headers (no handler or middleware runs), and the router's 408 after
+    ``body_timeout_s`` when it comes later (aiohttp never fails the body being read). Never a 5xx."""
+    from urllib.parse import urlsplit
+
+    from tests.router.test_edge import raw_http, status_and_body
+
+    async with fake_replica() as replica, edge_router(replica, body_timeout_s=0.5) as (url, _):
+        parts = urlsplit(url)
+        head = (b"POST /v1/completions HTTP/1.1\r\nHost: " + parts.netloc.encode()
+                + b"\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
+        answer = await raw_http(url, head + b"zz\r\n{}\r\n0\r\n\r\n")
+        assert answer.split()[1] == b"400" and b"chunk size" in answer, answer
+
+        reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
+        try:
+            writer.write(head)
+            await writer.drain()
+            await asyncio.sleep(0.1)  # the handler is reading the body when the bad chunk comes
+            writer.write(b"zz\r\n{}\r\n0\r\n\r\n")
+            got = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+            length = next(int(line.split(b":")[1]) for line in got.split(b"\r\n")
+                          if line.lower().startswith(b"content-length:"))
+            status, body = status_and_body(got + await asyncio.wait_for(reader.readexactly(length), 10))
+        finally:
+            writer.close()
+        assert (status, body["error"]["param"], body["error"]["type"]) == (408, "body", "invalid_request_error")
+        assert (await post(url, "/v1/completions", json={"prompt": [5, 6]}))[0] == 200
+        assert len(replica.bodies) == 1  # only the well-formed request reached the replica
