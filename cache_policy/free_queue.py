@@ -55,13 +55,24 @@ class FreeQueueModel:
 
     def hold(self, rid: ReplicaId, hashes: Sequence[BlockHash]) -> list[int]:
         """A request with prompt blocks ``hashes`` was dispatched to ``rid``: they leave the free
-        queue. Returns the stamps of those that were in it (a hit taken from the queue makes every
-        older free block's rank from the tail one smaller; see ``AdmissionState.parked_guard``)."""
+        queue. Returns the stamps of those its prefix-cache hit takes out of it (a hit taken from the
+        queue makes every older free block's rank from the tail one smaller; see
+        ``AdmissionState.parked_guard``): the leading blocks, up to the first one neither held nor
+        free (vLLM's hit stops there, ``KVCacheManager.get_computed_blocks``; a later block with a
+        cached twin is allocated anew and leaves the twin in the queue). A new prompt costs one
+        lookup here, not one per block."""
         q = self._replicas.get(rid)
         if q is None:
             q = self._replicas[rid] = _ReplicaQueue()
         refs, stamps = q.refs, q.stamps
-        taken = [stamps[h] for h in hashes if h not in refs and h in stamps]
+        taken = []
+        for h in hashes:
+            if h in refs:
+                continue
+            stamp = stamps.get(h)
+            if stamp is None:
+                break
+            taken.append(stamp)
         refs.update(hashes)
         return taken
 

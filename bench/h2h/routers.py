@@ -70,7 +70,10 @@ ALL = [
     RouterSpec("sglang-router cache_aware", "sglang", "cache_aware", None, True),
     RouterSpec("sglang-router consistent_hashing", "sglang", "consistent_hashing", "x-smg-routing-key", True),
     RouterSpec("sglang-router round_robin", "sglang", "round_robin", None, True),
+    RouterSpec("aiohttp pass-through", "floor", "round_robin", None),
 ]
+"""``aiohttp pass-through`` (``bench.h2h.passthrough``) is the latency run's floor for a Python
+router, not a router under test: no workload runs through it."""
 
 
 def free_port() -> int:
@@ -87,6 +90,8 @@ def command(spec: RouterSpec, urls: list[str], port: int, rust_venv: Path, workd
         path.write_text(yaml.safe_dump(cfg))
         return [sys.executable, "-m", "router", "serve", "--config", str(path), "--host", "127.0.0.1",
                 "--port", str(port)]
+    if spec.kind == "floor":
+        return [sys.executable, "-m", "bench.h2h.passthrough", "--port", str(port), *urls]
     py = str(rust_venv / "bin" / "python")
     if spec.kind == "vllm":
         return [str(rust_venv / "bin" / "vllm-router"), "--host", "127.0.0.1", "--port", str(port),
