@@ -78,7 +78,7 @@ class PrefixAffinityPolicy:
             if moved or self.pins.get("group", request.group_id) is None:
                 self.pins.record("group", request.group_id, rid)
             self.pins.started("group", request.group_id, rid, count)
-        self.index.insert(request.block_hashes, rid, defer=True)  # DecisionCore.settle
+        self.index.insert(request.block_hashes, rid)
 
     def on_finished(self, request: RequestView, replica_id: ReplicaId) -> None:
         """Release the request's share of its pins' own in-flight counts."""

@@ -581,15 +581,6 @@ class DecisionCore:
         rid = job.replica_id
         return self.versions.versions_since(rid, job.version_mark) if rid is not None else []
 
-    def settle(self) -> None:
-        """Apply the bookkeeping ``place`` deferred (the prefix index's insert of the placed
-        prompt, ``PrefixIndex.insert(defer=True)``). Never needed for correctness: any read of
-        the index settles first; the router calls it once a request is on its way to the
-        replica, so the per-block work overlaps the replica's instead of preceding the send."""
-        index = self.prefix_index()
-        if index is not None:
-            index.settle()
-
     def prefix_index(self) -> PrefixIndex | None:
         """The placement policy's prefix index, for the KV-event subscriber (None: the policy
         keeps none, e.g. round-robin)."""

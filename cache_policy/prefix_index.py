@@ -66,31 +66,24 @@ class PrefixIndex:
         self._pending: deque[tuple[float, BlockHash, ReplicaId]] = deque()
         self._now = 0.0
         self._expired = 0
-        self._deferred: list[tuple[Sequence[BlockHash], ReplicaId, float]] = []
-        """Inserts made with ``defer=True``, not yet applied (:meth:`settle`)."""
 
     def __len__(self) -> int:
-        self.settle()
         return len(self._entries)
 
     def replicas(self) -> set[ReplicaId]:
         """Replicas holding at least one indexed block."""
-        self.settle()
         return {r for r, n in self._per_replica.items() if n > 0}
 
     def blocks_of(self, replica: ReplicaId) -> int:
         """Number of indexed blocks ``replica`` holds (an approximate cache size)."""
-        self.settle()
         return self._per_replica[replica]
 
     def confirmed_of(self, replica: ReplicaId) -> int:
         """Number of ``replica``'s indexed blocks an engine event confirmed."""
-        self.settle()
         return self._confirmed[replica]
 
     def set_event_fed(self, replica: ReplicaId, fed: bool = True) -> None:
         """Mark ``replica`` as publishing KV events (its predictions expire) or not."""
-        self.settle()
         if fed:
             self._event_fed.add(replica)
         else:
@@ -100,29 +93,12 @@ class PrefixIndex:
         """True if ``replica``'s unconfirmed predictions expire after ``predicted_ttl_s``."""
         return replica in self._event_fed
 
-    def insert(self, hashes: Sequence[BlockHash], replica: ReplicaId, now: float | None = None, *,
-               defer: bool = False) -> None:
+    def insert(self, hashes: Sequence[BlockHash], replica: ReplicaId, now: float | None = None) -> None:
         """Predict that ``replica`` now holds every block of ``hashes``; evict past capacity.
 
-        A confirmed pair stays confirmed; a predicted one is stamped ``now`` again. ``defer``:
-        apply it later, in order, at :meth:`settle` or before anything reads or writes the index
-        (every public method settles first, so no answer differs): a router runs the per-block
-        work after it has sent the request on, while the replica prefills, instead of before.
+        A confirmed pair stays confirmed; a predicted one is stamped ``now`` again.
         """
-        if defer:
-            self._deferred.append((hashes, replica, self._clock(now)))
-            return
-        self.settle()
-        self._insert(hashes, replica, self._clock(now))
-
-    def settle(self) -> None:
-        """Apply the deferred inserts, in the order they were made. O(their blocks)."""
-        if self._deferred:
-            deferred, self._deferred = self._deferred, []
-            for hashes, replica, stamp in deferred:
-                self._insert(hashes, replica, stamp)
-
-    def _insert(self, hashes: Sequence[BlockHash], replica: ReplicaId, stamp: float) -> None:
+        stamp = self._clock(now)
         fed = replica in self._event_fed
         entries, pending, added = self._entries, self._pending, 0
         for h in reversed(hashes):  # _holders inlined: this loop runs once per block of every request
@@ -147,7 +123,6 @@ class PrefixIndex:
 
     def confirm(self, hashes: Sequence[BlockHash], replica: ReplicaId, now: float | None = None) -> None:
         """Record that ``replica``'s engine reported holding every block of ``hashes``."""
-        self.settle()
         self._clock(now)
         for h in reversed(hashes):
             holders = self._holders(h)
@@ -166,7 +141,7 @@ class PrefixIndex:
         Touches the matched hashes (LRU) unless ``touch`` is False (a caller that inserts
         ``hashes`` next, which touches all of them: a routing decision).
         """
-        self.expire(self._clock(now))  # settles
+        self.expire(self._clock(now))
         entries = self._entries
         first = entries.get(hashes[0]) if len(hashes) else None
         if not first:
@@ -202,7 +177,6 @@ class PrefixIndex:
 
     def expire(self, now: float) -> int:
         """Drop predictions on event-fed replicas older than ``predicted_ttl_s``; return how many."""
-        self.settle()
         self._clock(now)
         dropped = 0
         while self._pending and self._pending[0][0] + self.predicted_ttl_s < now:
@@ -216,7 +190,6 @@ class PrefixIndex:
 
     def remove(self, hashes: Sequence[BlockHash], replica: ReplicaId) -> None:
         """Forget that ``replica`` holds ``hashes`` (a request it rejected, blocks it evicted)."""
-        self.settle()
         for h in hashes:
             holders = self._entries.get(h)
             if holders is not None and replica in holders:
@@ -224,7 +197,6 @@ class PrefixIndex:
 
     def remove_replica(self, replica: ReplicaId) -> None:
         """Forget every block ``replica`` holds (it left the fleet or lost its cache)."""
-        self.settle()
         if not self._per_replica.get(replica):
             return
         for h in list(self._entries):
@@ -237,7 +209,6 @@ class PrefixIndex:
 
     def clear(self) -> None:
         """Forget everything (e.g. after a cache flush on every replica)."""
-        self._deferred.clear()
         self._entries.clear()
         self._per_replica.clear()
         self._confirmed.clear()
@@ -245,13 +216,11 @@ class PrefixIndex:
 
     def stats(self) -> IndexStats:
         """Counters for metrics (O(replicas))."""
-        self.settle()
         pairs, confirmed = sum(self._per_replica.values()), sum(self._confirmed.values())
         return IndexStats(len(self._entries), pairs - confirmed, confirmed, self._expired)
 
     def check_integrity(self) -> None:
         """Raise ``RuntimeError('bug: ...')`` if an invariant of the class is broken."""
-        self.settle()
         if len(self._entries) > self.max_blocks:
             raise RuntimeError(f"bug: index holds {len(self._entries)} > {self.max_blocks}")
         counts: Counter[ReplicaId] = Counter()

@@ -11,7 +11,6 @@ import argparse
 import re
 import asyncio
 import dataclasses
-import gc
 import json
 import logging
 import signal
@@ -207,11 +206,6 @@ async def _serve(cfg: AppConfig) -> None:
         signals.install()  # again: starting Ray may have replaced the handlers
         async with running_router(cfg, replica_set.endpoints, replica_set=replica_set) as (url, app):
             signals.on_first = app[SHUTDOWN].refuse_new
-            # start-up's ~400k objects (imported modules, config) move to the permanent generation:
-            # the collector's passes while serving walk what requests allocate, not them (as vLLM's
-            # API server does after start-up)
-            gc.collect()
-            gc.freeze()
             print(f"rollout-router serving {len(replica_set.endpoints)} replica(s) at {url} "
                   f"(policy {cfg.router.policy}); Ctrl-C or SIGTERM stops", flush=True)
             await signals.first.wait()
