@@ -110,3 +110,15 @@ def test_top_frames_shares():
     assert got["samples"] == 10
     assert got["self"] == [("b", 0.6), ("a", 0.3), ("c", 0.1)]
     assert got["total"][0] == ("main", 1.0) and ("a", 0.9) in got["total"]
+
+
+def test_ab_measures_a_checkout_beside_the_pass_through_floor():
+    """``bench.h2h.ab`` on this checkout: its router and the floor each answered every prompt (a
+    non-200 raises) and their processes spent CPU on them; the floor adds nothing but HTTP."""
+    from bench.h2h.ab import run
+    from bench.h2h.routers import ROOT
+
+    result = asyncio.run(run([ROOT], requests=20, tokens=300, seed=1, warmup=3))
+    assert list(result) == [f"1: {ROOT}", "aiohttp pass-through"]
+    for row in result.values():
+        assert row["cpu_ms_per_request"] > 0 and row["direct_p50_ms"] > 0

@@ -1,0 +1,146 @@
+"""Two checkouts of this router side by side: the same requests, interleaved, on one replica.
+
+A change meant to make the router faster is measured against the commit before it in one run:
+each checkout's ``rollout-router serve`` fronts the same zero-cost simulated replica
+(``bench.h2h.replicas_main --cost zero``), next to the aiohttp pass-through floor
+(``bench.h2h.passthrough``); every prompt (``--tokens`` random token IDs) goes directly and
+through each router in turn, rotating which goes first, so the machine's drift hits all alike.
+Prints per router the added latency (p50 and p99 of routed minus direct, ms) and its CPU per
+request (user + system of its process, all threads, ms). A checkout is a folder with this
+repository's code at some commit, e.g. ``git worktree add /tmp/before HEAD~1``.
+
+    python -m bench.h2h.ab /tmp/before .          # 1,000 requests each
+    python -m bench.h2h.ab /tmp/before . --requests 2000 --tokens 4000
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from bench.h2h.cli import replica_process
+from bench.h2h.drive import VOCAB_HI, VOCAB_LO
+from bench.h2h.latency import cpu_s, pct
+from bench.h2h.routers import ROOT, free_port
+
+READY_S = 120.0
+
+
+async def _ready(http: aiohttp.ClientSession, url: str, proc: subprocess.Popen, name: str) -> None:
+    """Until ``url`` answers a one-block completion 200; RuntimeError if ``proc`` exits or time runs out."""
+    body = {"model": "sim-model", "prompt": list(range(10, 30)), "max_tokens": 1}
+    deadline = time.monotonic() + READY_S
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with {proc.returncode}")
+        try:
+            async with http.post(url + "/v1/completions", json=body) as r:
+                if r.status == 200:
+                    return
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{name} did not route within {READY_S:g} s")
+        await asyncio.sleep(0.25)
+
+
+async def run(checkouts: list[Path], requests: int, tokens: int, seed: int, warmup: int = 50) -> dict[str, dict]:
+    """Added latency and CPU per request of each checkout's router and of the floor."""
+    from replicas.tiny_model.generate import ensure_tiny_model
+
+    tokenizer = str(await asyncio.to_thread(ensure_tiny_model))
+    work = Path(tempfile.mkdtemp(prefix="h2h-ab-"))
+    async with replica_process(1, 4096, 16, "zero", tokenizer, work / "replica.log") as urls:
+        config = work / "router.yaml"
+        config.write_text(f"replicas:\n  urls: [{urls[0]}]\n")
+        procs: dict[str, tuple[subprocess.Popen, str]] = {}
+        try:
+            for k, root in enumerate([*checkouts, None]):
+                port = free_port()
+                name = "aiohttp pass-through" if root is None else f"{k + 1}: {root}"
+                argv = ([sys.executable, "-m", "bench.h2h.passthrough", "--port", str(port), urls[0]] if root is None
+                        else [sys.executable, "-m", "router", "serve", "--config", str(config), "--host", "127.0.0.1",
+                              "--port", str(port), "--log-level", "WARNING"])
+                cwd = ROOT if root is None else root
+                with open(work / f"router-{k}.log", "ab") as log:
+                    procs[name] = (subprocess.Popen(argv, cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
+                                                    start_new_session=True, env={**os.environ, "PYTHONPATH": str(cwd)}),
+                                   f"http://127.0.0.1:{port}")
+            rng = np.random.default_rng(seed)
+            times: dict[str, list[float]] = {name: [] for name in ["direct", *procs]}
+            targets = [("direct", urls[0]), *((name, url) for name, (_, url) in procs.items())]
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
+                for name, (proc, url) in procs.items():
+                    await _ready(http, url, proc, name)
+                cpu0: dict[str, tuple[float, float]] = {}
+                for i in range(-warmup, requests):
+                    if i == 0:
+                        cpu0 = {name: cpu_s(proc.pid) for name, (proc, _) in procs.items()}
+                    ids = rng.integers(VOCAB_LO, VOCAB_HI, tokens).tolist()
+                    body = json.dumps({"model": "sim-model", "prompt": ids, "max_tokens": 1}).encode()
+                    k = i % len(targets)
+                    for name, url in targets[k:] + targets[:k]:
+                        started = time.perf_counter()
+                        async with http.post(url + "/v1/completions", data=body,
+                                             headers={"Content-Type": "application/json"}) as r:
+                            await r.read()
+                            if r.status != 200:
+                                raise RuntimeError(f"{name} answered {r.status}")
+                        if i >= 0:
+                            times[name].append(time.perf_counter() - started)
+            out = {}
+            for name, (proc, _) in procs.items():
+                user, system = (b - a for a, b in zip(cpu0[name], cpu_s(proc.pid)))
+                out[name] = {"added_p50_ms": 1e3 * (pct(times[name], 50) - pct(times["direct"], 50)),
+                             "added_p99_ms": 1e3 * (pct(times[name], 99) - pct(times["direct"], 99)),
+                             "cpu_ms_per_request": 1e3 * (user + system) / requests,
+                             "direct_p50_ms": 1e3 * pct(times["direct"], 50)}
+            return out
+        finally:
+            for proc, _ in procs.values():
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+            for proc, _ in procs.values():
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+
+
+def main(argv: list[str] | None = None) -> dict[str, dict]:
+    p = argparse.ArgumentParser(prog="python -m bench.h2h.ab", description=__doc__.split("\n\n")[0],
+                                epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("checkouts", nargs="+", type=Path, help="folders holding this repository at the commits to compare")
+    p.add_argument("--requests", type=int, default=1000, help="timed requests per router (default 1000)")
+    p.add_argument("--tokens", type=int, default=4000, help="token IDs per prompt (default 4000)")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    for c in args.checkouts:
+        if not (c / "router" / "__main__.py").is_file():
+            p.error(f"{c} does not hold this repository (no router/__main__.py)")
+    result = asyncio.run(run([c.resolve() for c in args.checkouts], args.requests, args.tokens, args.seed))
+    table = Table(title=f"Router-added latency, {args.requests} interleaved {args.tokens}-token prompts, one replica "
+                        f"(direct p50 {next(iter(result.values()))['direct_p50_ms']:.2f} ms)")
+    for col in ("router", "added p50 ms", "added p99 ms", "CPU ms / request"):
+        table.add_column(col, justify="right" if col != "router" else "left")
+    for name, r in result.items():
+        table.add_row(name, f"{r['added_p50_ms']:+.2f}", f"{r['added_p99_ms']:+.2f}", f"{r['cpu_ms_per_request']:.2f}")
+    Console().print(table)
+    return result
+
+
+if __name__ == "__main__":
+    main()
