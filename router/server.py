@@ -14,6 +14,7 @@ import logging
 from typing import AsyncIterator, Sequence
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from replicas.config import StartupError
 from replicas.replica_set import ReplicaEndpoint
@@ -58,6 +59,24 @@ async def load_tokenizer(cfg: AppConfig, endpoints: Sequence[ReplicaEndpoint] = 
     return tokenizer
 
 
+class _BadHttpQuiet(logging.Filter):
+    """aiohttp logs each malformed request it refuses (a 400 before any handler runs: bad
+    framing, a header too long) at ERROR with a traceback, so a client could fill the log at
+    will: such records go out as one DEBUG line, without the traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError):
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+            record.msg, record.args = "%s: refused a malformed request: %r", (record.getMessage(), exc)
+            record.exc_info, record.exc_text = None, None
+            return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+        return True
+
+
+_QUIET = _BadHttpQuiet()
+
+
 @contextlib.asynccontextmanager
 async def running_router(cfg: AppConfig, endpoints: Sequence[ReplicaEndpoint],
                          tokenizer: PromptTokenizer | None = None,
@@ -71,6 +90,9 @@ async def running_router(cfg: AppConfig, endpoints: Sequence[ReplicaEndpoint],
     app = create_app(cfg, endpoints, tokenizer)
     attach_fleet(app, replica_set)
     install_shutdown(app)
+    server_log = logging.getLogger("aiohttp.server")
+    if _QUIET not in server_log.filters:
+        server_log.addFilter(_QUIET)
     r = cfg.router  # header limits and the keep-alive timer, which also bounds slow headers
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0,
                            max_line_size=r.max_header_bytes, max_field_size=r.max_header_bytes,

@@ -126,10 +126,15 @@ async def test_a_client_may_not_set_the_replica_plugins_vllm_xargs():
         assert status == 200 and replica.bodies[-1]["vllm_xargs"] == {"other": 1}  # other keys pass through
 
 
-async def test_malformed_chunked_framing_is_a_4xx_and_the_router_goes_on():
+async def test_malformed_chunked_framing_is_a_4xx_and_the_router_goes_on(caplog):
     """aiohttp's parser answers framing errors itself (README "The edge"): a plain-text 400 when the
     bad chunk comes with the headers (no handler or middleware runs), and the router's 408 after
-    ``body_timeout_s`` when it comes later (aiohttp never fails the body being read). Never a 5xx."""
+    ``body_timeout_s`` when it comes later (aiohttp never fails the body being read). Never a 5xx.
+    Each refusal is one DEBUG line in the log, not an ERROR with a traceback (a client could
+    otherwise fill the log)."""
+    import logging
+
+    caplog.set_level(logging.DEBUG, logger="aiohttp.server")
     from urllib.parse import urlsplit
 
     from tests.router.test_edge import raw_http, status_and_body
@@ -140,6 +145,9 @@ async def test_malformed_chunked_framing_is_a_4xx_and_the_router_goes_on():
                 + b"\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
         answer = await raw_http(url, head + b"zz\r\n{}\r\n0\r\n\r\n")
         assert answer.split()[1] == b"400" and b"chunk size" in answer, answer
+        refused = [r for r in caplog.records if r.name == "aiohttp.server"]
+        assert [(r.levelno, r.exc_info) for r in refused] == [(logging.DEBUG, None)], refused
+        assert "refused a malformed request" in refused[0].getMessage()
 
         reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
         try:
