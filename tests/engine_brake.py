@@ -143,18 +143,28 @@ def _signal(pid: int, sig: int) -> None:
         pass
 
 
-def relaying(app, rid: str, n: int = 1, most: int | None = None) -> Callable[[], bool]:
+def relaying(app, rid: str, n: int = 1, most: int | None = None, settled_s: float = 0.0) -> Callable[[], bool]:
     """A ``hold_when`` condition: the router ``app`` relays at least ``n`` streams from replica
     ``rid`` that have each had a token and are not finished (``router.lifecycle.Flight``);
-    with ``most``, each has relayed at most that many tokens: the engine, held between bursts,
-    cannot have finished a longer stream whose tail the router has yet to read (a held engine
-    whose stream was already generated let it finish before an update counted it)."""
+    with ``most``, each has relayed at most that many tokens; with ``settled_s``, the tokens
+    relayed have not changed for that long (the router has caught up with the held engine: a
+    loaded machine's API server can be hundreds of tokens behind, and a stream whose count was
+    read mid-backlog was already generated to its end and finished before an update counted it)."""
     from router import keys
 
+    seen = {"tokens": -1, "since": 0.0, "asked": 0.0}
+
     def cond() -> bool:
-        flights = app[keys.LIFECYCLE].flights.get(rid, {}).values()
-        return sum(1 for f in flights if f.streaming and 0 < sum(f.tokens.values()) <= (most or 1 << 62)
-                   and not f.task.done()) >= n
+        now = time.monotonic()
+        gap, seen["asked"] = now - seen["asked"], now
+        flights = [f for f in app[keys.LIFECYCLE].flights.get(rid, {}).values()
+                   if f.streaming and 0 < sum(f.tokens.values()) <= (most or 1 << 62) and not f.task.done()]
+        if len(flights) < n:
+            return False
+        tokens = sum(sum(f.tokens.values()) for f in flights)
+        if tokens != seen["tokens"] or gap > 0.1:  # new tokens, or the engine ran since the last look
+            seen["tokens"], seen["since"] = tokens, now
+        return now - seen["since"] >= settled_s
     return cond
 
 
