@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -28,9 +29,18 @@ LONG_TOKENS = 8000
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the kernel's ephemeral range: ``serve`` binds it only after its replicas
+    started, and a port the kernel handed out (``bind(0)``) can meanwhile go to one of them (a
+    full run: "address already in use" from the router a minute after the pick)."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for port in random.sample(range(10000, min(low, 32768)), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 def _post(url: str, body: dict, timeout: float = 300) -> tuple[int, dict, dict]:
