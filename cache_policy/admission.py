@@ -239,7 +239,7 @@ class AdmissionQueue:
         self, replicas: Sequence[ReplicaView], pending: Mapping[ReplicaId, int], now: float,
         group_running: Callable[[str | None, ReplicaId], bool] = lambda g, r: False,
         guards: Mapping[ReplicaId, int] | None = None,
-        sessions_full: Callable[[ReplicaId], bool] = lambda rid: False,
+        sessions_full: Callable[[ReplicaId, list[int]], bool] = lambda rid, opened: False,
     ) -> list[AdmissionRequest]:
         """Remove and return the queued requests that fit now, in service order.
 
@@ -249,7 +249,9 @@ class AdmissionQueue:
         overtaking), except a GRPO member whose group runs there (``group_running``) or had
         a member taken in this pass: it goes with its group (see the class). Requests
         whose replica is absent or unhealthy, or already expired at ``now``, stay queued (see
-        ``drop_replica`` and ``expire``).
+        ``drop_replica`` and ``expire``). ``sessions_full(rid, opened)``: whether ``rid`` has no
+        room for one more session when the sessions ``opened`` there in this pass (their blocks)
+        are counted too (``AdmissionState.sessions_full``).
         """
         views = {r.replica_id: r for r in replicas}
         extra_blocks = {rid: pending.get(rid, 0) for rid in views}
@@ -258,7 +260,7 @@ class AdmissionQueue:
         groups: set[tuple[str | None, ReplicaId]] = set()  # groups with a member taken in this pass
         taken: list[AdmissionRequest] = []
         joined: dict[int, AdmissionRequest] = {}  # members admitted with their running group
-        full: dict[ReplicaId, bool] = {}  # sessions_full, asked once per replica in this pass
+        opened: dict[ReplicaId, list[int]] = {}  # per replica, the holds of sessions opened in this pass
         for req in self._store.in_order():
             rid = req.replica_id
             view = views.get(rid)
@@ -269,10 +271,12 @@ class AdmissionQueue:
                 continue
             now_view = replace(view, in_flight=view.in_flight + extra_in_flight[rid])
             guard = guards.get(rid, 0) if guards and req.priority != "continuing_session" else 0
-            if not joins and (req.opens_session and full.setdefault(rid, sessions_full(rid))
+            if not joins and (req.opens_session and sessions_full(rid, opened.get(rid, []))
                               or not fits(now_view, extra_blocks[rid], req.new_blocks, self.cfg, guard)[0]):
                 blocked.add(rid)
                 continue
+            if req.opens_session:  # counted for the next one: all at once, they outgrew the cache
+                opened.setdefault(rid, []).append(req.holds)
             taken.append(req)
             if joins:
                 joined[id(req)] = req.joined()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -159,7 +159,7 @@ class AdmissionState:
         budget = self.cfg.high_watermark * cap - self.registry.parked_blocks(rid)
         return max(0, math.ceil(budget - (cap - 1 - rank)))
 
-    def sessions_full(self, view: ReplicaView, now: float) -> bool:
+    def sessions_full(self, view: ReplicaView, now: float, opening: Sequence[int] = ()) -> bool:
         """Whether ``view``'s replica has no room for one more session: the sessions live there
         (parked or running), each counted at the larger of what it holds and what sessions end
         at (:attr:`session_blocks`), plus one more at that size, would pass
@@ -170,7 +170,10 @@ class AdmissionState:
         and every one re-prefilled its context (``bench.sim`` 4 replicas, ws/kv 2: agent turns
         4.5x ideal; with this rule 1.5x). A waiting session starts when one ends or goes idle;
         a parked session unseen for half of ``queue_timeout_s`` no longer counts here (see
-        ``PolicyConfig.session_fraction``)."""
+        ``PolicyConfig.session_fraction``). ``opening``: the blocks of sessions admitted there in
+        the same pump pass, not yet in the ledger (each counted like a running one: a pass that
+        asked once per replica started 5-6 sessions together where one fitted, and their
+        contexts outgrew the cache: ``bench.sim`` agents 1.9x ideal at 4 replicas)."""
         expected, cap = self.session_blocks, view.num_gpu_blocks
         if expected is None or not cap or not self.enabled:
             return False
@@ -179,6 +182,7 @@ class AdmissionState:
         held = sum(max(expected, rec.parked[1]) for rec in self.registry.parked_on(rid)
                    if rec.parked and rec.last_seen >= recent)
         held += sum(max(expected, t.blocks) for t in self.ledger.tickets(rid) if t.session_id is not None)
+        held += sum(max(expected, blocks) for blocks in opening)
         return held + expected > self.cfg.session_fraction * self.cfg.high_watermark * cap
 
     def touched(self, rid: ReplicaId, stamps: list[int]) -> None:
@@ -261,7 +265,7 @@ class AdmissionState:
         by_id = {v.replica_id: v for v in views}
         projected = [project(v, self.ledger, self.registry) for v in views]
         taken = self.queue.pop_admissible(projected, {}, now, group_running=self.ledger.group_running,
-                                          guards=guards, sessions_full=lambda rid: self.sessions_full(by_id[rid], now))
+                                          guards=guards, sessions_full=lambda rid, opened: self.sessions_full(by_id[rid], now, opened))
         return [(r, self._admit(r, now, waited=True)) for r in taken]
 
     def retry_after_s(self, now: float) -> float:

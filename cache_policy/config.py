@@ -72,7 +72,7 @@ class PolicyConfig:
     kept sessions from outgrowing the cache, ``bench.sim`` at ws/kv 2 needed 0.5 (uncapped,
     only an idle replica admitted work); with it 1 is the simulator's best too."""
 
-    session_fraction: float = 0.5
+    session_fraction: float = 0.75
     """New sessions start on a replica while its live sessions, each counted at the size sessions
     end at (a moving average over ended sessions), leave room for one more within this fraction
     of the watermark budget; past it a session's first turn waits (reason ``session_budget``).
@@ -81,8 +81,14 @@ class PolicyConfig:
     long (a real-vLLM drain test's new sessions waited out their timeout behind the previous
     test's; capping the wait instead cost the simulator 1.26 -> 1.63x ideal at ws/kv 2).
     The rest stays for short-lived work (GRPO groups, scoring fan-outs), whose churn through the
-    cache is what evicts a session's prefix during its tool calls. ``bench.sim`` 4 replicas,
-    ws/kv 2: 0.5 gave agent turns 1.56x ideal prefill, 0.35 1.74x, 1 2.10x, no limit 4.5x."""
+    cache is what evicts a session's prefix during its tool calls.
+
+    The trade: fewer live sessions prefill less but finish later (tool-call pauses leave the
+    engine idle). ``bench.sim`` mixed, prefilled/ideal and makespan (sessions opened in one pump
+    pass counted, ``AdmissionState.sessions_full``): 64 replicas ws/kv 2: 0.5 1.088 in 314 s,
+    0.75 1.088 in 164 s, 1 1.094 in 141 s (sticky least-loaded: 1.904 in 51 s); 4 replicas
+    ws/kv 0.5 / 1 / 2: 0.75 1.057 / 1.070 / 1.112, 1 1.062 / 1.219 / 1.264, 0.5 at ws/kv 2
+    1.041 in 3,605 s vs 1,774 s at 0.75."""
     queue_timeout_s: float = 30.0
     """Seconds a request may wait in the admission queue before it expires (429)."""
 

@@ -103,6 +103,9 @@ class UpstreamResult:
     status: int
     payload: Any
     raw: bytes
+    strict: bool = True
+    """The body was strict JSON (msgspec decoded it): re-encoding it with msgspec gives the same
+    values. False when only ``json`` could (``NaN``, ``Infinity``), which ``json.dumps`` keeps."""
 
 
 async def post_json(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> UpstreamResult:
@@ -167,7 +170,7 @@ def upstream_result(status: int, raw: bytes) -> UpstreamResult:
         payload = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError):
         payload = None
-    return UpstreamResult(status, payload, raw)
+    return UpstreamResult(status, payload, raw, strict=False)
 
 
 async def relay_stream(client: web.Request, http: aiohttp.ClientSession, url: str, body: dict[str, Any],

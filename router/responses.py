@@ -16,7 +16,7 @@ from aiohttp import web
 
 from cache_policy.core import DecisionCore, Job
 from router.errors import with_router_param
-from router.proxy import UpstreamResult
+from router.proxy import UpstreamResult, encode_body
 from router.weights.report import version_note
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,8 @@ def json_answer(result: UpstreamResult, job: Job, core: DecisionCore, endpoint: 
         cached = ((payload.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
         payload["rollout_router"] = annotation(job, core, expose_cached=expose_cached, spans=spans, reruns=reruns,
                                                cached=cached if isinstance(cached, int) else None)
-        return web.Response(text=json.dumps(payload), status=200, content_type="application/json", headers=headers)
+        body = encode_body(payload) if result.strict else json.dumps(payload).encode()  # msgspec: NaN -> null
+        return web.Response(body=body, status=200, content_type="application/json", headers=headers)
     if 400 <= result.status < 500 and isinstance(payload, dict):
         return web.Response(text=json.dumps(with_router_param(payload, endpoint)), status=result.status,
                             content_type="application/json", headers=headers)

@@ -31,6 +31,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from bench.h2h import profile
 from bench.h2h.cli import replica_process
 from bench.h2h.drive import VOCAB_HI, VOCAB_LO
 from bench.h2h.latency import cpu_s, pct
@@ -57,8 +58,11 @@ async def _ready(http: aiohttp.ClientSession, url: str, proc: subprocess.Popen, 
         await asyncio.sleep(0.25)
 
 
-async def run(checkouts: list[Path], requests: int, tokens: int, seed: int, warmup: int = 50) -> dict[str, dict]:
-    """Added latency and CPU per request of each checkout's router and of the floor."""
+async def run(checkouts: list[Path], requests: int, tokens: int, seed: int, warmup: int = 50,
+              spy_venv: Path | None = None) -> dict[str, dict]:
+    """Added latency and CPU per request of each checkout's router and of the floor; with ``spy_venv``
+    (a venv holding py-spy), the last checkout's router is sampled during the timed requests and its
+    result holds ``profile`` (``bench.h2h.profile.top_frames``)."""
     from replicas.tiny_model.generate import ensure_tiny_model
 
     tokenizer = str(await asyncio.to_thread(ensure_tiny_model))
@@ -86,9 +90,12 @@ async def run(checkouts: list[Path], requests: int, tokens: int, seed: int, warm
                 for name, (proc, url) in procs.items():
                     await _ready(http, url, proc, name)
                 cpu0: dict[str, tuple[float, float]] = {}
+                spy = None
                 for i in range(-warmup, requests):
                     if i == 0:
                         cpu0 = {name: cpu_s(proc.pid) for name, (proc, _) in procs.items()}
+                        if spy_venv is not None:
+                            spy = profile.start(procs[list(procs)[-2]][0].pid, work, spy_venv)
                     ids = rng.integers(VOCAB_LO, VOCAB_HI, tokens).tolist()
                     body = json.dumps({"model": "sim-model", "prompt": ids, "max_tokens": 1}).encode()
                     k = i % len(targets)
@@ -101,7 +108,9 @@ async def run(checkouts: list[Path], requests: int, tokens: int, seed: int, warm
                                 raise RuntimeError(f"{name} answered {r.status}")
                         if i >= 0:
                             times[name].append(time.perf_counter() - started)
-            out = {}
+            out: dict[str, dict] = {}
+            if spy is not None:
+                out["profile"] = profile.stop(spy, top=25)
             for name, (proc, _) in procs.items():
                 user, system = (b - a for a, b in zip(cpu0[name], cpu_s(proc.pid)))
                 out[name] = {"added_p50_ms": 1e3 * (pct(times[name], 50) - pct(times["direct"], 50)),
@@ -127,11 +136,15 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     p.add_argument("--requests", type=int, default=1000, help="timed requests per router (default 1000)")
     p.add_argument("--tokens", type=int, default=4000, help="token IDs per prompt (default 4000)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--py-spy", type=Path, default=None, metavar="VENV",
+                   help="sample the last checkout's router with VENV/bin/py-spy; prints its top frames")
     args = p.parse_args(argv)
     for c in args.checkouts:
         if not (c / "router" / "__main__.py").is_file():
             p.error(f"{c} does not hold this repository (no router/__main__.py)")
-    result = asyncio.run(run([c.resolve() for c in args.checkouts], args.requests, args.tokens, args.seed))
+    result = asyncio.run(run([c.resolve() for c in args.checkouts], args.requests, args.tokens, args.seed,
+                             spy_venv=args.py_spy.resolve() if args.py_spy else None))
+    spied = result.pop("profile", None)
     table = Table(title=f"Router-added latency, {args.requests} interleaved {args.tokens}-token prompts, one replica "
                         f"(direct p50 {next(iter(result.values()))['direct_p50_ms']:.2f} ms)")
     for col in ("router", "added p50 ms", "added p99 ms", "CPU ms / request"):
@@ -139,6 +152,13 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     for name, r in result.items():
         table.add_row(name, f"{r['added_p50_ms']:+.2f}", f"{r['added_p99_ms']:+.2f}", f"{r['cpu_ms_per_request']:.2f}")
     Console().print(table)
+    if spied is not None:
+        if "error" in spied:
+            print("py-spy:", spied["error"])
+        else:
+            print(f"py-spy, {spied['samples']} samples of the last router (self share / total share):")
+            for (frame, own), (tframe, tot) in zip(spied["self"], spied["total"]):
+                print(f"  self {own:6.1%}  {frame[:90]:90s}  total {tot:6.1%}  {tframe[:90]}")
     return result
 
 

@@ -99,7 +99,9 @@ class Recorder:
                                     "busy_s": s.busy_s}
 
     def summary(self, group_times: list[float]) -> dict:
-        """One row: ratios, spread, latencies, preemptions, router cost."""
+        """One row: ratios, spread, latencies, preemptions, router cost; ``sim_s`` is the makespan
+        (simulated seconds until the last client finished the same work) and ``busy_fraction`` the
+        engines' mean share of it spent stepping."""
         e = self.engines
         prompt = sum(v["prompt"] for v in e.values())
         prefilled = sum(v["prefilled"] for v in e.values())
@@ -120,6 +122,8 @@ class Recorder:
             "decision_us": 1e6 * self.decision_s / max(1, self.decisions), "decisions": self.decisions,
             "place_admit_us": 1e6 * (self.decision_s - self.open_s) / max(1, self.decisions),
             "router_other_s": self.other_s, "sim_s": self.end_s,
+            "busy_fraction": (sum(v["busy_s"] for v in e.values()) / (len(e) * self.end_s)
+                              if e and self.end_s > 0 else 0.0),
             "by_workload": {k: {"prompt_tokens": v[0], "prefilled_tokens": v[1], "ideal_prefilled_tokens": v[2],
                                 "prefilled_over_ideal": v[1] / v[2] if v[2] else float("nan")}
                             for k, v in sorted(self.by_kind.items())},

@@ -16,6 +16,7 @@ COLUMNS = (
     ("busiest/mean req", "busiest_over_mean_requests", "{:.2f}"),
     ("busiest/mean prefill", "busiest_over_mean_prefill", "{:.2f}"),
     ("turn p50/p99 s", "turn", "{}"), ("group p50/p99 s", "group", "{}"),
+    ("makespan s", "sim_s", "{:.0f}"), ("engine busy", "busy_fraction", "{:.0%}"),
     ("preempt", "preemptions", "{:,}"), ("µs/decision", "decision_us", "{:.1f}"),
     ("µs place+admit", "place_admit_us", "{:.1f}"),
 )

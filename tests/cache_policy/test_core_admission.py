@@ -300,7 +300,7 @@ def test_a_hit_behind_a_parked_prefix_moves_it_toward_the_tail(fake_clock):
 def test_new_sessions_wait_while_live_sessions_fill_their_share_at_the_size_sessions_end_at(fake_clock):
     # 100 blocks: sessions may take 0.5 * 0.85 * 100 = 42.5. s0 ends at 20 blocks, so every
     # live session counts at least 20: two fit, a third waits, short-lived work does not.
-    core = make(queue_timeout_s=30.0)
+    core = make(queue_timeout_s=30.0, session_fraction=0.5)
     prompt = park_session(core, fake_clock, "s0", 10)
     last = core.open(RequestSpec(tokens(20, prompt), "s0", ends_session=True), fake_clock.now())
     core.place(last, fake_clock.now())
@@ -322,6 +322,31 @@ def test_new_sessions_wait_while_live_sessions_fill_their_share_at_the_size_sess
     core.check_integrity()
 
 
+def test_one_pump_pass_starts_only_the_sessions_the_share_holds(fake_clock):
+    # 0.5 * 0.85 * 100 = 42.5 blocks for sessions, which end at 20: two live. s1 and s2 live,
+    # s3, s4 and s5 wait; both live ones end: the pass admits two of the three, not all three
+    # (asked once per replica per pass, a pass started every waiting session at once)
+    core = make(queue_timeout_s=30.0, session_fraction=0.5)
+    prompt = park_session(core, fake_clock, "s0", 10)
+    last = core.open(RequestSpec(tokens(20, prompt), "s0", ends_session=True), fake_clock.now())
+    core.place(last, fake_clock.now())
+    core.admit(last, fake_clock.now())
+    core.finish(last, "ok", fake_clock.now())
+    park_session(core, fake_clock, "s1", 5)
+    park_session(core, fake_clock, "s2", 5)
+    waiting = []
+    for sid in ("s3", "s4", "s5"):
+        job, adm = ask(core, fake_clock, 5, session=sid)
+        assert adm.verdict == "queue" and adm.reason in ("session_budget", "queued_behind")
+        waiting.append(job)
+    core.end_session("s1")
+    core.end_session("s2")
+    started = [job for job, adm in core.pump(fake_clock.now()) if adm.verdict == "admit"]
+    assert started == waiting[:2]
+    assert core.queue_length() == 1
+    core.check_integrity()
+
+
 def test_without_an_ended_session_new_sessions_are_not_limited(fake_clock):
     core = make(queue_timeout_s=30.0)
     for sid in ("s1", "s2", "s3", "s4"):
@@ -331,7 +356,7 @@ def test_without_an_ended_session_new_sessions_are_not_limited(fake_clock):
 
 def test_sessions_parked_and_unseen_for_half_the_queue_timeout_leave_the_session_share(fake_clock):
     # abandoned sessions stay live until session_idle_s: the share must not turn their slots into 429s
-    core = make(queue_timeout_s=30.0, session_idle_s=120.0)
+    core = make(queue_timeout_s=30.0, session_idle_s=120.0, session_fraction=0.5)
     prompt = park_session(core, fake_clock, "s0", 10)
     last = core.open(RequestSpec(tokens(20, prompt), "s0", ends_session=True), fake_clock.now())
     core.place(last, fake_clock.now())
