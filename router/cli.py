@@ -180,19 +180,27 @@ def _replica_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return {"num_replicas": args.num_replicas}
 
 
-def _check_port_free(host: str, port: int) -> None:
-    """Fail before any replica starts when the router's port is taken (OSError names it)."""
-    if port == 0:
-        return
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError as exc:
-            raise OSError(f"router.port {port} on {host} is not free ({exc.strerror}); pick another --port") from exc
+def _reserve_port(host: str, port: int) -> socket.socket:
+    """The router's listening address, bound before any replica starts and held until the router
+    serves on it (``running_router(sock=...)``), so no other process can take it during the
+    minutes replicas take to start; bound but not listening, it refuses connections meanwhile.
+    OSError naming the port when it is taken (or the host cannot be bound)."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as exc:
+        raise OSError(f"router.host {host!r} cannot be bound ({exc.strerror})") from exc
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as aiohttp's TCPSite does
+        sock.bind(addr)
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"router.port {port} on {host} is not free ({exc.strerror}); pick another --port") from exc
+    return sock
 
 
-async def _serve(cfg: AppConfig) -> None:
+async def _serve(cfg: AppConfig, sock: socket.socket) -> None:
     """Replicas, then the router, until SIGINT or SIGTERM; then a graceful stop, in order:
     new and queued requests get 503 + Retry-After, in-flight ones get ``router.shutdown_grace_s``
     to finish (a second signal cuts that short), the router stops, then the replicas
@@ -204,7 +212,7 @@ async def _serve(cfg: AppConfig) -> None:
     signals = _Signals(asyncio.get_running_loop())
     async with ReplicaSet(cfg.replicas) as replica_set:
         signals.install()  # again: starting Ray may have replaced the handlers
-        async with running_router(cfg, replica_set.endpoints, replica_set=replica_set) as (url, app):
+        async with running_router(cfg, replica_set.endpoints, replica_set=replica_set, sock=sock) as (url, app):
             signals.on_first = app[SHUTDOWN].refuse_new
             print(f"rollout-router serving {len(replica_set.endpoints)} replica(s) at {url} "
                   f"(policy {cfg.router.policy}); Ctrl-C or SIGTERM stops", flush=True)
@@ -258,15 +266,14 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         cfg = _config(args)
-        if args.command == "serve":
-            _check_port_free(cfg.router.host, cfg.router.port)
+        sock = _reserve_port(cfg.router.host, cfg.router.port) if args.command == "serve" else None
     except (ValueError, OSError) as exc:
         print(f"rollout-router: config error: {exc}", file=sys.stderr)
         return 2
     try:
-        if args.command == "serve":
-            with asyncio.Runner(loop_factory=_loop_factory(cfg.router.event_loop)) as runner:
-                runner.run(_serve(cfg))
+        if sock is not None:
+            with sock, asyncio.Runner(loop_factory=_loop_factory(cfg.router.event_loop)) as runner:
+                runner.run(_serve(cfg, sock))
     except KeyboardInterrupt:
         return 130
     except StartupError as exc:  # replicas unusable as found (unreachable, block sizes differ, no tokenizer)

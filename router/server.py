@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 from typing import AsyncIterator, Sequence
 
 from aiohttp import web
@@ -80,11 +81,14 @@ _QUIET = _BadHttpQuiet()
 @contextlib.asynccontextmanager
 async def running_router(cfg: AppConfig, endpoints: Sequence[ReplicaEndpoint],
                          tokenizer: PromptTokenizer | None = None,
-                         replica_set=None) -> AsyncIterator[tuple[str, web.Application]]:
+                         replica_set=None, sock: socket.socket | None = None,
+                         ) -> AsyncIterator[tuple[str, web.Application]]:
     """Serve a router for ``endpoints``; yield ``(base_url, app)``; shut down on exit.
 
     ``replica_set``: the ``ReplicaSet`` behind the endpoints, if any: the router follows its
-    events (restarts, new URLs, drains) and serves ``/admin/replicas`` for it."""
+    events (restarts, new URLs, drains) and serves ``/admin/replicas`` for it. ``sock``: a bound
+    socket to listen on (``serve`` binds it before starting replicas); None binds
+    ``router.host:router.port`` now."""
     tokenizer = tokenizer or await load_tokenizer(cfg, endpoints)
     await asyncio.to_thread(tokenizer.load)  # a given one too: never first loaded on the event loop
     app = create_app(cfg, endpoints, tokenizer)
@@ -100,14 +104,16 @@ async def running_router(cfg: AppConfig, endpoints: Sequence[ReplicaEndpoint],
                            auto_decompress=False)  # the edge undoes Content-Encoding (router.content_encoding)
     await runner.setup()
     try:
-        site = web.TCPSite(runner, cfg.router.host, cfg.router.port)
+        site = (web.TCPSite(runner, cfg.router.host, cfg.router.port) if sock is None
+                else web.SockSite(runner, sock))
         await site.start()
     except BaseException:
         await runner.cleanup()
         raise
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    host = cfg.router.host if ":" not in cfg.router.host else f"[{cfg.router.host}]"
     try:
-        yield f"http://{cfg.router.host}:{port}", app
+        yield f"http://{host}:{port}", app
     finally:
         await _bounded_cleanup(runner)
 

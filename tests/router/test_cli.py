@@ -154,3 +154,25 @@ def test_a_malformed_api_keys_flag_is_a_usage_error(flag, capsys):
     with pytest.raises(SystemExit) as exc:
         _parser().parse_args(["serve", "--api-keys", flag])
     assert exc.value.code == 2 and "--api-keys" in capsys.readouterr().err
+
+
+def test_serve_holds_its_port_from_before_the_replicas_start():
+    # bound before the replicas start (minutes): a later bind(0) or a plain bind cannot take it,
+    # and a client is refused at once rather than left hanging while nothing serves
+    from router.cli import _reserve_port
+
+    with _reserve_port("127.0.0.1", 0) as held:
+        port = held.getsockname()[1]
+        with socket.socket() as other:
+            with pytest.raises(OSError):
+                other.bind(("127.0.0.1", port))
+        with socket.socket() as client, pytest.raises(ConnectionRefusedError):
+            client.connect(("127.0.0.1", port))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(OSError, match=f"router.port {port} on 127.0.0.1 is not free"):
+            _reserve_port("127.0.0.1", port)
+    with pytest.raises(OSError, match="router.host 'no-such-host.invalid' cannot be bound"):
+        _reserve_port("no-such-host.invalid", 0)
