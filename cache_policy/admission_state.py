@@ -14,11 +14,11 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from cache_policy.admission import AdmissionQueue, AdmissionRequest, classify
+from cache_policy.admission import AdmissionQueue, AdmissionRequest, classify, fits
 from cache_policy.config import PolicyConfig
 from cache_policy.ledger import KvLedger, Ticket
 from cache_policy.registry import KeyRegistry
@@ -247,9 +247,31 @@ class AdmissionState:
                 self.registry.park(ticket.session_id, ticket.replica_id, ticket.blocks,
                                    parked_limit(self.cfg, capacity), stamp)
 
-    def expire(self, now: float) -> list[AdmissionRequest]:
-        """Queued requests past ``queue_timeout_s`` (reject them: 429)."""
-        return self.queue.expire(now)
+    def expire(self, now: float, view_of: Callable[[ReplicaId], ReplicaView | None] = lambda rid: None,
+               ) -> tuple[list[tuple[AdmissionRequest, Admission]], list[AdmissionRequest]]:
+        """Queued requests past ``queue_timeout_s``: ``(admitted late, refused)``.
+
+        With ``PolicyConfig.admit_late``, one whose replica (``view_of``: its view while it is
+        healthy and in rotation, else None) has room for it beside the work running there, parked
+        prefixes not counted, is admitted (reason ``late``): only the rules that keep cached
+        prefixes alive (the parked guard and parked blocks, the session share, no overtaking)
+        held it. The rest get 429 (``reject``, reason ``timeout``)."""
+        late, refused = [], []
+        for request in self.queue.expire(now):
+            view = view_of(request.replica_id)
+            if view is not None and self.enabled and self.cfg.admit_late and self._fits_running(view, request):
+                late.append((request, self._admit(request, now, waited=True, reason="late")))
+            else:
+                refused.append(request)
+        return late, refused
+
+    def _fits_running(self, view: ReplicaView, request: AdmissionRequest) -> bool:
+        """Whether ``request`` fits the watermark beside the requests in flight alone."""
+        count = self.ledger.count(view.replica_id) + self.ledger.peer(view.replica_id).requests
+        running = replace(view, in_flight=count)
+        if view.num_gpu_blocks:
+            running = replace(running, kv_cache_usage=running_blocks(view, self.ledger) / view.num_gpu_blocks)
+        return fits(running, 0, request.new_blocks, self.cfg)[0]
 
     def pump(self, views: list[ReplicaView], now: float,
              freed: Mapping[ReplicaId, int] | None = None) -> list[tuple[AdmissionRequest, Admission]]:
@@ -277,7 +299,7 @@ class AdmissionState:
         self.queue.check_integrity()
         self.ledger.check_integrity()
 
-    def _admit(self, request: AdmissionRequest, now: float, *, waited: bool) -> Admission:
+    def _admit(self, request: AdmissionRequest, now: float, *, waited: bool, reason: str | None = None) -> Admission:
         rid, sid = request.replica_id, request.session_id
         ticket = Ticket(rid, request.holds, request.new_blocks, sid, now, request.priority,
                         next(self._numbers), request.requests, request.group_id)
@@ -285,5 +307,5 @@ class AdmissionState:
         if sid is not None:
             self.registry.started_session(sid)
             self.registry.seen("session", sid, now)
-        reason = "waited" if waited else "admitted"
+        reason = reason or ("waited" if waited else "admitted")
         return Admission("admit", reason, ticket=ticket, waited=waited)

@@ -418,13 +418,16 @@ class DecisionCore:
                                 and rid not in self.versions.rotation])
         freed = {v.replica_id: self.free_queue.freed(v.replica_id) for v in views}
         for request, adm in self.admission.pump(views, now, freed):
-            job = self._jobs.pop(request.request_id)
-            job.queued, job.admission = None, adm
-            self._refresh_expected(job, now)  # evictions seen while it waited (KV events) count
-            self._hold(job)
-            self._outbox.append((job, adm))
+            self._admitted_from_queue(request, adm, now)
         out, self._outbox = self._outbox, []
         return out
+
+    def _admitted_from_queue(self, request: AdmissionRequest, adm: Admission, now: float) -> None:
+        job = self._jobs.pop(request.request_id)
+        job.queued, job.admission = None, adm
+        self._refresh_expected(job, now)  # evictions seen while it waited (KV events) count
+        self._hold(job)
+        self._outbox.append((job, adm))
 
     def _hold(self, job: Job) -> None:
         """``job`` was admitted: its prompt blocks leave its replica's free queue (the hits among
@@ -667,7 +670,16 @@ class DecisionCore:
         self._outbox.append((job, job.admission))
 
     def _expire(self, now: float) -> None:
-        for request in self.admission.expire(now):
+        """Queued jobs past ``queue_timeout_s``: admitted late where running work leaves room
+        (``AdmissionState.expire``), else refused; both go out with the next ``pump``."""
+        def view_of(rid: ReplicaId) -> ReplicaView | None:
+            rec = self.replicas.get(rid)
+            return self._view(rid) if rec is not None and rec.healthy and rid not in self.versions.rotation else None
+
+        late, refused = self.admission.expire(now, view_of)
+        for request, adm in late:
+            self._admitted_from_queue(request, adm, now)
+        for request in refused:
             self._refuse(self._jobs.pop(request.request_id), "timeout", now)
 
     def _drop_queue(self, rid: ReplicaId) -> None:

@@ -75,8 +75,10 @@ def test_idle_replica_admits_a_request_larger_than_the_watermark(fake_clock):
     assert adm.verdict == "admit" and adm.ticket.blocks == 95
 
 
-def test_wait_past_the_deadline_is_429_with_retry_after(fake_clock):
-    core = make(queue_timeout_s=0.05)
+@pytest.mark.parametrize("admit_late", [False, True])
+def test_wait_past_the_deadline_is_429_with_retry_after(fake_clock, admit_late):
+    # with admit_late too: 80 running blocks leave no room for 10 under the watermark
+    core = make(queue_timeout_s=0.05, admit_late=admit_late)
     held, _ = ask(core, fake_clock, 80)
     waiting, adm = ask(core, fake_clock, 10)
     assert adm.verdict == "queue"
@@ -84,6 +86,34 @@ def test_wait_past_the_deadline_is_429_with_retry_after(fake_clock):
     [(job, adm)] = core.pump(fake_clock.now())
     assert job is waiting and adm.verdict == "reject" and adm.reason == "timeout" and adm.retry_after_s >= 1
     assert core.queue_length() == 0 and waiting.done
+
+
+def test_with_admit_late_work_only_the_cache_keeping_rules_held_starts_at_its_timeout(fake_clock):
+    # the session share holds s3 (live sessions s1, s2 at the 20-block size sessions end at);
+    # the running work leaves room for it: at its timeout it starts (reason "late"), where the
+    # 10 blocks behind 80 running ones (the watermark itself) are refused
+    core = make(queue_timeout_s=5.0, session_fraction=0.5, admit_late=True)
+    prompt = park_session(core, fake_clock, "s0", 10)
+    last = core.open(RequestSpec(tokens(20, prompt), "s0", ends_session=True), fake_clock.now())
+    core.place(last, fake_clock.now())
+    core.admit(last, fake_clock.now())
+    core.finish(last, "ok", fake_clock.now())
+    park_session(core, fake_clock, "s1", 5)
+    park_session(core, fake_clock, "s2", 5)
+    opener, adm = ask(core, fake_clock, 5, session="s3")
+    assert (adm.verdict, adm.reason) == ("queue", "session_budget")
+    fake_clock.advance(5.1)
+    [(job, late)] = core.pump(fake_clock.now())
+    assert job is opener and (late.verdict, late.reason) == ("admit", "late") and late.ticket.blocks == 5
+    assert core.in_flight(A) == 1 and core.queue_length() == 0
+    core.finish(opener, "ok", fake_clock.now())
+    held, _ = ask(core, fake_clock, 80)
+    waiting, adm = ask(core, fake_clock, 10)
+    assert adm.verdict == "queue"
+    fake_clock.advance(5.1)
+    [(job, refused)] = core.pump(fake_clock.now())
+    assert job is waiting and (refused.verdict, refused.reason) == ("reject", "timeout")
+    core.check_integrity()
 
 
 def test_full_queue_rejects_at_once(fake_clock):
@@ -372,4 +402,21 @@ def test_sessions_parked_and_unseen_for_half_the_queue_timeout_leave_the_session
     [(job, adm)] = core.pump(fake_clock.now())
     assert job is waiting and adm.verdict == "admit"
     assert core.registry.parked_blocks(A) == 10  # still counted against the watermark
+    core.check_integrity()
+
+
+def test_without_admit_late_a_session_the_share_held_is_refused_at_its_timeout(fake_clock):
+    core = make(queue_timeout_s=5.0, session_fraction=0.5)
+    prompt = park_session(core, fake_clock, "s0", 10)
+    last = core.open(RequestSpec(tokens(20, prompt), "s0", ends_session=True), fake_clock.now())
+    core.place(last, fake_clock.now())
+    core.admit(last, fake_clock.now())
+    core.finish(last, "ok", fake_clock.now())
+    park_session(core, fake_clock, "s1", 5)
+    park_session(core, fake_clock, "s2", 5)
+    opener, adm = ask(core, fake_clock, 5, session="s3")
+    assert (adm.verdict, adm.reason) == ("queue", "session_budget")
+    fake_clock.advance(5.1)
+    [(job, refused)] = core.pump(fake_clock.now())
+    assert job is opener and (refused.verdict, refused.reason) == ("reject", "timeout")
     core.check_integrity()
