@@ -14,6 +14,7 @@ is needed. Times are float seconds from the caller's clock; the index remembers 
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -101,6 +102,13 @@ class PrefixIndex:
         stamp = self._clock(now)
         fed = replica in self._event_fed
         entries, pending, added = self._entries, self._pending, 0
+        if entries.keys().isdisjoint(hashes):  # a new prefix (C-speed test): one bulk insert
+            before, last_first = len(entries), hashes[::-1]
+            entries.update(zip(last_first, [{replica: stamp} for _ in last_first]))
+            if fed:
+                pending.extend([(stamp, h, replica) for h in last_first])
+            added = len(entries) - before  # not len(hashes): a hash repeated in ``hashes`` is one entry
+            hashes = ()
         for h in reversed(hashes):  # _holders inlined: this loop runs once per block of every request
             holders = entries.get(h)
             if holders is None:
@@ -271,14 +279,12 @@ class PrefixIndex:
         entries = self._entries
         if len(entries) <= self.max_blocks:
             return
-        held: Counter[ReplicaId] = Counter()
+        pop = entries.popitem
+        evicted = [pop(last=False)[1] for _ in range(len(entries) - self.max_blocks)]
+        held = Counter(itertools.chain.from_iterable(evicted))  # counted in C: one pass per block otherwise
         confirmed: Counter[ReplicaId] = Counter()
-        while len(entries) > self.max_blocks:
-            _, holders = entries.popitem(last=False)
-            for r, state in holders.items():
-                held[r] += 1
-                if state is _CONFIRMED:
-                    confirmed[r] += 1
+        if self._confirmed:  # only replicas that publish KV events have confirmed blocks
+            confirmed.update(r for holders in evicted for r, state in holders.items() if state is _CONFIRMED)
         for counter, gone in ((self._per_replica, held), (self._confirmed, confirmed)):
             for r, n in gone.items():
                 counter[r] -= n
