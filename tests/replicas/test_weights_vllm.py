@@ -17,6 +17,7 @@ import pytest_asyncio
 import torch
 
 from replicas.config import ReplicaSetConfig
+from replicas.metrics import parse_vllm_metrics
 from replicas.tiny_model import TinyModelSpec, ensure_tiny_model
 from replicas.weights import update_weights
 from replicas.weights_http import call
@@ -139,13 +140,24 @@ async def test_keep_mode_with_preempt_running_resets_and_the_request_completes(h
 async def test_probe_confirms_a_real_reset_and_not_a_refused_one(http, base_url, server):
     reset = functools.partial(call, http, "POST", f"{base_url}/reset_prefix_cache")
     assert (await confirm_by_probe(http, base_url, reset)).confirmed
-    # the engine runs in short bursts and the stream is long (about a minute of decoding unthrottled):
-    # it still holds its blocks after the reset and the probe's few steps, however loaded the machine
-    async with EngineBrake(server.proc.pid).throttled(), LongStream(http, base_url, max_tokens=16000) as stream:
-        await stream.wait_started()
-        outcome = await confirm_by_probe(http, base_url, reset, timeout_s=60)
-        assert not stream.task.done(), ("the long stream ended before the probe ran", stream.chunks,
-                                        stream.finish_reason, stream.task.exception())
+    # a long request, not streamed, with the engine in short bursts: it still holds its blocks after
+    # the reset and the probe's few steps. (Streamed, the API server spent its time relaying 16,000
+    # chunks: the probe's requests waited behind them for 44 s while the engine finished the stream.)
+    body = {"model": MODEL, "prompt": prompt(99, 100), "max_tokens": 16000, "ignore_eos": True}
+
+    async def long_request() -> int:
+        async with http.post(f"{base_url}/v1/completions", json=body) as resp:
+            return resp.status
+
+    async with EngineBrake(server.proc.pid).throttled():
+        long = asyncio.ensure_future(long_request())
+        try:
+            await _running(http, base_url)
+            outcome = await confirm_by_probe(http, base_url, reset, timeout_s=60)
+            assert not long.done(), ("the long request ended before the probe ran", long.result())
+        finally:
+            long.cancel()
+            await asyncio.gather(long, return_exceptions=True)
     assert not outcome.confirmed and "still hit" in outcome.detail, outcome
 
 
@@ -224,6 +236,17 @@ def _reference(path: str, tokens: list[int]) -> torch.Tensor:
         logits = _model(path)(torch.tensor([tokens])).logits[0].float()
     logprobs = torch.log_softmax(logits[:-1], dim=-1)
     return logprobs.gather(1, torch.tensor(tokens[1:])[:, None])[:, 0]
+
+
+async def _running(http: aiohttp.ClientSession, base_url: str, timeout_s: float = 120) -> None:
+    """Until the server's ``vllm:num_requests_running`` is at least 1."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        async with http.get(f"{base_url}/metrics") as resp:
+            if parse_vllm_metrics(await resp.text()).num_running >= 1:
+                return
+        assert time.monotonic() < deadline, f"no request running after {timeout_s} s"
+        await asyncio.sleep(0.05)
 
 
 class LongStream:

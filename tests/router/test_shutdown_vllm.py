@@ -52,6 +52,18 @@ def _post(url: str, body: dict, timeout: float = 300) -> tuple[int, dict, dict]:
         return err.code, dict(err.headers), json.loads(err.read() or b"{}")
 
 
+def _wait_in_flight(port: int, timeout_s: float = 60.0) -> None:
+    """Until the router on ``port`` reports a request in flight (``rollout_router_in_flight``)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+            for line in resp.read().decode().splitlines():
+                if line.startswith("rollout_router_in_flight{") and float(line.rsplit(" ", 1)[1]) >= 1:
+                    return
+        time.sleep(0.1)
+    raise AssertionError(f"no request in flight on the router after {timeout_s:g} s")
+
+
 def _descendants(root: int) -> set[int]:
     """Every process below ``root`` (from /proc's parent links), found now."""
     children: dict[int, list[int]] = {}
@@ -97,8 +109,8 @@ def test_sigterm_drains_in_flight_refuses_new_and_leaves_no_process(tmp_path):
                 "ignore_eos": True, "temperature": 0}
         in_flight = threading.Thread(target=lambda: long_result.update(r=_post(url, body)))
         in_flight.start()
-        time.sleep(1.5)
-        assert in_flight.is_alive(), long_result  # still decoding when the signal comes
+        _wait_in_flight(port)  # the router holds it (a fixed 1.5 s wait: once it had not arrived yet,
+        assert in_flight.is_alive(), long_result  # the drain found nothing to wait for and the router stopped)
         os.kill(proc.pid, signal.SIGTERM)
         time.sleep(0.5)
         status, headers, payload = _post(url, {**body, "max_tokens": 1})
