@@ -100,7 +100,9 @@ class AdmissionState:
         self._touched: dict[ReplicaId, list[int]] = {}
         """Per replica, the free-queue stamps of blocks hits took out of the queue, sorted."""
         self.session_blocks: float | None = None
-        """Blocks an ended session held at its last turn (moving average; None before one ended)."""
+        """Blocks an ended session held at its last turn (moving average; None before one ended).
+        A session ends by its client's word (``X-Session-End``, ``DELETE /v1/sessions/{id}``) or
+        by going unseen for ``session_idle_s`` (then its parked prefix is the sample)."""
 
     def request(self, rid: ReplicaId, total_blocks: int, matched_blocks: int, session_id: str | None,
                 group_id: str | None, requests: int, now: float, request_id: str = "",
@@ -163,7 +165,8 @@ class AdmissionState:
         """Whether ``view``'s replica has no room for one more session: the sessions live there
         (parked or running), each counted at the larger of what it holds and what sessions end
         at (:attr:`session_blocks`), plus one more at that size, would pass
-        ``session_fraction`` of the watermark budget. False before a session has ended.
+        ``session_fraction`` of the watermark budget. False before a session has ended (by its
+        client's word or by going idle: :attr:`session_blocks`).
 
         A session's first turn is small and its prefix grows every turn; admitted by its first
         turn alone, more sessions started on a replica than its cache could keep between turns,
@@ -239,8 +242,7 @@ class AdmissionState:
         ``ends_session``: its session's last turn (its size feeds :attr:`session_blocks`)."""
         self.ledger.release(ticket)
         if ends_session and ticket.session_id is not None:
-            old = self.session_blocks
-            self.session_blocks = ticket.blocks if old is None else old + SESSION_WEIGHT * (ticket.blocks - old)
+            self._session_ended(ticket.blocks)
         if ticket.session_id is not None:
             self.registry.seen("session", ticket.session_id, now)
             if park:
@@ -281,7 +283,8 @@ class AdmissionState:
         if now - self._unparked_at >= UNPARK_EVERY_S:  # a sweep over every session: amortized
             self._unparked_at = now
             waiting = {r.session_id for r in self.queue.waiting() if r.session_id is not None}
-            self.registry.unpark_idle(now, self.cfg.session_idle_s, waiting)
+            for blocks in self.registry.unpark_idle(now, self.cfg.session_idle_s, waiting):
+                self._session_ended(blocks)  # most clients never say a session ended: idle is how it ends
         freed = freed or {}
         guards = {v.replica_id: self.parked_guard(v, freed.get(v.replica_id)) for v in views}
         by_id = {v.replica_id: v for v in views}
@@ -289,6 +292,12 @@ class AdmissionState:
         taken = self.queue.pop_admissible(projected, {}, now, group_running=self.ledger.group_running,
                                           guards=guards, sessions_full=lambda rid, opened: self.sessions_full(by_id[rid], now, opened))
         return [(r, self._admit(r, now, waited=True)) for r in taken]
+
+    def _session_ended(self, blocks: int) -> None:
+        """A session ended at ``blocks`` (its last turn, or its parked prefix when it went idle):
+        one sample of :attr:`session_blocks`, the size :meth:`sessions_full` counts sessions at."""
+        old = self.session_blocks
+        self.session_blocks = blocks if old is None else old + SESSION_WEIGHT * (blocks - old)
 
     def retry_after_s(self, now: float) -> float:
         """Seconds a refused client should wait before trying again."""

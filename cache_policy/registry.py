@@ -204,11 +204,15 @@ class KeyRegistry:
         """Blocks all parked sessions hold on ``replica``."""
         return self._parked_sum.get(replica, 0)
 
-    def unpark_idle(self, now: float, idle_s: float, keep: set[str]) -> None:
-        """Stop counting parked prefixes of sessions unseen for ``idle_s`` (except ``keep``)."""
+    def unpark_idle(self, now: float, idle_s: float, keep: set[str]) -> list[int]:
+        """Stop counting parked prefixes of sessions unseen for ``idle_s`` (except ``keep``);
+        returns their sizes in blocks (sessions that ended without saying so)."""
+        sizes = []
         for (kind, key), rec in self._records.items():
             if rec.parked is not None and key not in keep and now - rec.last_seen > idle_s:
+                sizes.append(rec.parked[1])
                 self._unpark(rec)
+        return sizes
 
     def end(self, kind: KeyKind, key: str) -> bool:
         """The client ended ``key``: drop its pin, parked prefix and start version (the record

@@ -2,7 +2,8 @@
 
 The clients are the simulator's own (GRPO groups, multi-turn agents with tool pauses); this sink
 sends each item as one ``/v1/completions`` request with the router's routing-key headers and
-calls the client back when it returns. Token IDs are folded into the tiny model's vocabulary
+calls the client back when it returns; a 429 or 503 is retried after its ``Retry-After``, twice at
+most, as the ``openai`` SDK does by default (``RETRIES``), then counted as an error. Token IDs are folded into the tiny model's vocabulary
 (``fold``) so our router's vocabulary check passes; prefix structure is unchanged.
 
 ``IdealCounter`` is the simulator's ideal (``bench.sim.metrics``): one infinite cache shared by
@@ -20,6 +21,10 @@ import aiohttp
 from bench.h2h.routers import RouterSpec
 from bench.sim.seqhash import SequenceHashes
 from bench.sim.workloads import Clients, Item, WorkloadConfig
+
+RETRIES = 2
+"""Retries of a 429 or 503 after its ``Retry-After``, as the ``openai`` SDK makes by default
+(``max_retries=2``; it honours ``Retry-After`` up to 60 s)."""
 
 VOCAB_LO, VOCAB_HI = 8, 1100
 """Prompt token IDs are folded into ``[VOCAB_LO, VOCAB_HI)`` (the tiny tokenizer has 1,130)."""
@@ -65,6 +70,8 @@ class HttpSink:
         self.pending = 0
         self.done = asyncio.Event()
         self.ok = 0
+        self.retries = 0
+        """429/503 answers retried (``RETRIES`` per request at most)."""
         self.errors: dict[str, int] = {}
         self.tasks: set[asyncio.Task] = set()
 
@@ -86,12 +93,19 @@ class HttpSink:
         body = {"model": "sim-model", "prompt": self.spec.prompt(prompt), "max_tokens": item.max_tokens[0]}
         headers = self.spec.headers(item.session_id, item.group_id, item.ends_session)
         try:
-            async with self.http.post(f"{self.url}/v1/completions", json=body, headers=headers) as r:
-                await r.read()
+            for attempt in range(RETRIES + 1):
+                async with self.http.post(f"{self.url}/v1/completions", json=body, headers=headers) as r:
+                    await r.read()
+                    wait = _retry_after(r)
                 if r.status == 200:
                     self.ok += 1
+                elif r.status in (429, 503) and attempt < RETRIES:
+                    self.retries += 1
+                    await asyncio.sleep(wait)
+                    continue
                 else:
                     self.errors[str(r.status)] = self.errors.get(str(r.status), 0) + 1
+                break
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             self.errors[type(exc).__name__] = self.errors.get(type(exc).__name__, 0) + 1
         self.on_request()
@@ -136,9 +150,18 @@ async def run_workload(spec: RouterSpec, url: str, cfg: WorkloadConfig, kinds: s
             sink.done.set()
         await asyncio.wait_for(sink.done.wait(), timeout_s)
         wall = sink.now()
-    return {"requests_ok": sink.ok, "errors": sink.errors, "ideal_prefilled_tokens": ideal.prefill,
+    return {"requests_ok": sink.ok, "retries": sink.retries, "errors": sink.errors, "ideal_prefilled_tokens": ideal.prefill,
             "prompt_tokens": ideal.prompt, "wall_s": wall,
             "group_s_p50": _pct(clients.group_times, 50), "turn_s_p50": _pct(clients.turn_times, 50)}
+
+
+def _retry_after(r: aiohttp.ClientResponse) -> float:
+    """Seconds to wait before retrying ``r``: its ``Retry-After`` within [0, 60], else 1 (as the
+    ``openai`` SDK waits)."""
+    try:
+        return min(max(float(r.headers.get("Retry-After", "1")), 0.0), 60.0)
+    except ValueError:
+        return 1.0
 
 
 def _pct(xs: list[float], q: float) -> float | None:

@@ -13,7 +13,8 @@ def rows(result: dict) -> list[list[str]]:
         for name, r in by_router.items():
             errors = sum(r["errors"].values())
             out.append([w, name, f"{r['prefilled_over_ideal']:.3f}", f"{r['busiest_over_mean_requests']:.2f}",
-                        f"{r['busiest_over_mean_prefill']:.2f}", str(r["requests_ok"]), str(errors)])
+                        f"{r['busiest_over_mean_prefill']:.2f}", str(r["requests_ok"]), str(r.get("retries", 0)),
+                        str(errors)])
     return out
 
 
@@ -31,7 +32,7 @@ def _cpu(r: dict) -> str:
 
 
 HEAD = ["workload", "router", "prefilled / ideal", "busiest / mean (requests)", "busiest / mean (prefill)",
-        "ok", "errors"]
+        "ok", "retried 429/503", "errors"]
 LAT_HEAD = ["router", "added p50 ms", "added p99 ms", "direct p50 ms", "router CPU ms / request (user)"]
 
 

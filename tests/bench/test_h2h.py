@@ -122,3 +122,42 @@ def test_ab_measures_a_checkout_beside_the_pass_through_floor():
     assert list(result) == [f"1: {ROOT}", "aiohttp pass-through"]
     for row in result.values():
         assert row["cpu_ms_per_request"] > 0 and row["direct_p50_ms"] > 0
+
+
+@pytest.mark.parametrize("refusals, ok, retries, errors", [(2, 1, 2, {}), (3, 0, 2, {"429": 1}), (0, 1, 0, {})])
+def test_the_drive_retries_429_after_retry_after_as_the_openai_sdk_does(refusals, ok, retries, errors):
+    """A router answering 429 (Retry-After: 0) ``refusals`` times, then 200: the drive retries
+    twice, like the SDK's default ``max_retries``, then counts the 429 as an error."""
+    from aiohttp import web
+
+    from bench.h2h.drive import HttpSink
+    from bench.sim.workloads import Item
+
+    async def go():
+        seen = []
+
+        async def completions(request: web.Request) -> web.Response:
+            seen.append(await request.json())
+            if len(seen) <= refusals:
+                return web.json_response({"error": {"message": "busy"}}, status=429, headers={"Retry-After": "0"})
+            return web.json_response({"choices": [{"text": "x"}]})
+
+        app = web.Application()
+        app.router.add_post("/v1/completions", completions)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        try:
+            async with aiohttp.ClientSession() as http:
+                sink = HttpSink(RouterSpec("direct", "vllm", "none", None), url, http, IdealCounter(BS))
+                sink.issue(Item(1, "agent", "generate", list(range(20, 60)), "k", [1], [None]), 0.0)
+                await asyncio.wait_for(sink.done.wait(), 30)
+        finally:
+            await runner.cleanup()
+        return sink, seen
+
+    sink, seen = asyncio.run(go())
+    assert (sink.ok, sink.retries, sink.errors) == (ok, retries, errors)
+    assert len(seen) == min(refusals, 2) + 1 and all(body == seen[0] for body in seen)

@@ -420,3 +420,19 @@ def test_without_admit_late_a_session_the_share_held_is_refused_at_its_timeout(f
     [(job, refused)] = core.pump(fake_clock.now())
     assert job is opener and (refused.verdict, refused.reason) == ("reject", "timeout")
     core.check_integrity()
+
+
+def test_a_session_that_goes_idle_without_an_end_teaches_the_size_sessions_end_at(fake_clock):
+    # s0 never says it ended: unseen for session_idle_s (10 s), its 20 parked blocks are the
+    # sample. Then the share holds (0.5 * 0.85 * 100 = 42.5): s1, s2 live at 20 each, s3 waits.
+    core = make(queue_timeout_s=30.0, session_idle_s=10.0, session_fraction=0.5)
+    park_session(core, fake_clock, "s0", 20)
+    assert core.admission.session_blocks is None
+    fake_clock.advance(10.5)
+    core.pump(fake_clock.now())
+    assert core.admission.session_blocks == 20 and core.registry.parked_blocks(A) == 0
+    park_session(core, fake_clock, "s1", 5)
+    park_session(core, fake_clock, "s2", 5)
+    _, adm = ask(core, fake_clock, 5, session="s3")
+    assert (adm.verdict, adm.reason) == ("queue", "session_budget")
+    core.check_integrity()
