@@ -132,6 +132,7 @@ def test_the_drive_retries_429_after_retry_after_as_the_openai_sdk_does(refusals
 
     from bench.h2h.drive import HttpSink
     from bench.sim.workloads import Item
+    from tests.loopback import app_on_loopback
 
     async def go():
         seen = []
@@ -144,18 +145,10 @@ def test_the_drive_retries_429_after_retry_after_as_the_openai_sdk_does(refusals
 
         app = web.Application()
         app.router.add_post("/v1/completions", completions)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
-        try:
-            async with aiohttp.ClientSession() as http:
-                sink = HttpSink(RouterSpec("direct", "vllm", "none", None), url, http, IdealCounter(BS))
-                sink.issue(Item(1, "agent", "generate", list(range(20, 60)), "k", [1], [None]), 0.0)
-                await asyncio.wait_for(sink.done.wait(), 30)
-        finally:
-            await runner.cleanup()
+        async with app_on_loopback(app) as url, aiohttp.ClientSession() as http:
+            sink = HttpSink(RouterSpec("direct", "vllm", "none", None), url, http, IdealCounter(BS))
+            sink.issue(Item(1, "agent", "generate", list(range(20, 60)), "k", [1], [None]), 0.0)
+            await asyncio.wait_for(sink.done.wait(), 30)
         return sink, seen
 
     sink, seen = asyncio.run(go())

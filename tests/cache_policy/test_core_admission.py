@@ -93,13 +93,7 @@ def test_with_admit_late_work_only_the_cache_keeping_rules_held_starts_at_its_ti
     # the running work leaves room for it: at its timeout it starts (reason "late"), where the
     # 10 blocks behind 80 running ones (the watermark itself) are refused
     core = make(queue_timeout_s=5.0, session_fraction=0.5, admit_late=True)
-    prompt = park_session(core, fake_clock, "s0", 10)
-    last = core.open(RequestSpec(tokens(20, prompt), "s0", ends_session=True), fake_clock.now())
-    core.place(last, fake_clock.now())
-    core.admit(last, fake_clock.now())
-    core.finish(last, "ok", fake_clock.now())
-    park_session(core, fake_clock, "s1", 5)
-    park_session(core, fake_clock, "s2", 5)
+    sessions_end_at_20_and_two_live(core, fake_clock)
     opener, adm = ask(core, fake_clock, 5, session="s3")
     assert (adm.verdict, adm.reason) == ("queue", "session_budget")
     fake_clock.advance(5.1)
@@ -277,6 +271,24 @@ def park_session(core, clock, sid: str, blocks: int) -> list[int]:
     return prompt
 
 
+def end_a_session_at_20(core, clock) -> None:
+    """Session s0 runs a 10-block turn, then ends (``X-Session-End``) with a 20-block turn: the
+    size sessions end at (``AdmissionState.session_blocks``) is 20 blocks."""
+    prompt = park_session(core, clock, "s0", 10)
+    last = core.open(RequestSpec(tokens(20, prompt), "s0", ends_session=True), clock.now())
+    core.place(last, clock.now())
+    core.admit(last, clock.now())
+    core.finish(last, "ok", clock.now())
+
+
+def sessions_end_at_20_and_two_live(core, clock, *live: str) -> None:
+    """:func:`end_a_session_at_20`, then two sessions (``live``, default s1 and s2) each park a
+    5-block turn: with session_fraction 0.5 (42.5 blocks) they fill the session share."""
+    end_a_session_at_20(core, clock)
+    for sid in live or ("s1", "s2"):
+        park_session(core, clock, sid, 5)
+
+
 def test_new_work_waits_rather_than_evict_a_parked_prefix_from_the_free_queue(fake_clock):
     # 100 blocks. s parks 10 (free-queue stamp 0); 40 blocks of other work run and finish
     # after it, so its deepest block has 50 free blocks queued behind it: it survives while
@@ -331,11 +343,7 @@ def test_new_sessions_wait_while_live_sessions_fill_their_share_at_the_size_sess
     # 100 blocks: sessions may take 0.5 * 0.85 * 100 = 42.5. s0 ends at 20 blocks, so every
     # live session counts at least 20: two fit, a third waits, short-lived work does not.
     core = make(queue_timeout_s=30.0, session_fraction=0.5)
-    prompt = park_session(core, fake_clock, "s0", 10)
-    last = core.open(RequestSpec(tokens(20, prompt), "s0", ends_session=True), fake_clock.now())
-    core.place(last, fake_clock.now())
-    assert core.admit(last, fake_clock.now()).verdict == "admit"
-    core.finish(last, "ok", fake_clock.now())
+    end_a_session_at_20(core, fake_clock)
     assert core.admission.session_blocks == 20 and core.registry.parked_blocks(A) == 0
     park_session(core, fake_clock, "s1", 5)  # 0 + 20 <= 42.5
     park_session(core, fake_clock, "s2", 5)  # 20 + 20 <= 42.5
@@ -357,13 +365,7 @@ def test_one_pump_pass_starts_only_the_sessions_the_share_holds(fake_clock):
     # s3, s4 and s5 wait; both live ones end: the pass admits two of the three, not all three
     # (asked once per replica per pass, a pass started every waiting session at once)
     core = make(queue_timeout_s=30.0, session_fraction=0.5)
-    prompt = park_session(core, fake_clock, "s0", 10)
-    last = core.open(RequestSpec(tokens(20, prompt), "s0", ends_session=True), fake_clock.now())
-    core.place(last, fake_clock.now())
-    core.admit(last, fake_clock.now())
-    core.finish(last, "ok", fake_clock.now())
-    park_session(core, fake_clock, "s1", 5)
-    park_session(core, fake_clock, "s2", 5)
+    sessions_end_at_20_and_two_live(core, fake_clock)
     waiting = []
     for sid in ("s3", "s4", "s5"):
         job, adm = ask(core, fake_clock, 5, session=sid)
@@ -387,13 +389,7 @@ def test_without_an_ended_session_new_sessions_are_not_limited(fake_clock):
 def test_sessions_parked_and_unseen_for_half_the_queue_timeout_leave_the_session_share(fake_clock):
     # abandoned sessions stay live until session_idle_s: the share must not turn their slots into 429s
     core = make(queue_timeout_s=30.0, session_idle_s=120.0, session_fraction=0.5)
-    prompt = park_session(core, fake_clock, "s0", 10)
-    last = core.open(RequestSpec(tokens(20, prompt), "s0", ends_session=True), fake_clock.now())
-    core.place(last, fake_clock.now())
-    core.admit(last, fake_clock.now())
-    core.finish(last, "ok", fake_clock.now())
-    park_session(core, fake_clock, "gone1", 5)
-    park_session(core, fake_clock, "gone2", 5)
+    sessions_end_at_20_and_two_live(core, fake_clock, "gone1", "gone2")
     waiting, adm = ask(core, fake_clock, 5, session="s3")
     assert (adm.verdict, adm.reason) == ("queue", "session_budget")
     fake_clock.advance(14.9)
@@ -407,13 +403,7 @@ def test_sessions_parked_and_unseen_for_half_the_queue_timeout_leave_the_session
 
 def test_without_admit_late_a_session_the_share_held_is_refused_at_its_timeout(fake_clock):
     core = make(queue_timeout_s=5.0, session_fraction=0.5)
-    prompt = park_session(core, fake_clock, "s0", 10)
-    last = core.open(RequestSpec(tokens(20, prompt), "s0", ends_session=True), fake_clock.now())
-    core.place(last, fake_clock.now())
-    core.admit(last, fake_clock.now())
-    core.finish(last, "ok", fake_clock.now())
-    park_session(core, fake_clock, "s1", 5)
-    park_session(core, fake_clock, "s2", 5)
+    sessions_end_at_20_and_two_live(core, fake_clock)
     opener, adm = ask(core, fake_clock, 5, session="s3")
     assert (adm.verdict, adm.reason) == ("queue", "session_budget")
     fake_clock.advance(5.1)

@@ -90,6 +90,7 @@ async def test_a_replica_answering_5xx_before_anything_reached_the_client_is_ret
     from aiohttp import web
 
     from router.server import running_router
+    from tests.loopback import app_on_loopback
     from tests.router.edge_fixtures import fake_replica
 
     async def broken(_: web.Request) -> web.Response:
@@ -97,14 +98,10 @@ async def test_a_replica_answering_5xx_before_anything_reached_the_client_is_ret
 
     bad = web.Application()
     bad.router.add_post("/v1/completions", broken)
-    runner = web.AppRunner(bad)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    bad_port = site._server.sockets[0].getsockname()[1]
     cfg = AppConfig().replace(router={"port": 0, "scrape_interval_s": 0, "kv_events": False,
                                       "policy": "round_robin"})
-    try:
+    async with app_on_loopback(bad) as bad_url:
+        bad_port = int(bad_url.rsplit(":", 1)[1])
         async with fake_replica() as good:
             endpoints = [_ep(A, bad_port), ReplicaEndpoint(B, good.url, 32, 1000, "tiny-llama")]
             async with running_router(cfg, endpoints, tiny_tokenizer()) as (url, app):
@@ -116,8 +113,6 @@ async def test_a_replica_answering_5xx_before_anything_reached_the_client_is_ret
                 assert app[keys.METRICS].retries.labels("failed")._value.get() == 1
                 assert len(good.bodies) == 1
                 assert app[keys.CORE].replicas[A].failures == 1 and app[keys.CORE].replicas[A].healthy
-    finally:
-        await runner.cleanup()
 
 
 async def test_admin_replicas_refuses_a_launch_in_router_only_mode_and_a_duplicate_url():
