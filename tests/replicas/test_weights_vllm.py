@@ -17,7 +17,6 @@ import pytest_asyncio
 import torch
 
 from replicas.config import ReplicaSetConfig
-from replicas.metrics import parse_vllm_metrics
 from replicas.tiny_model import TinyModelSpec, ensure_tiny_model
 from replicas.weights import update_weights
 from replicas.weights_http import call
@@ -140,22 +139,43 @@ async def test_keep_mode_with_preempt_running_resets_and_the_request_completes(h
 async def test_probe_confirms_a_real_reset_and_not_a_refused_one(http, base_url, server):
     reset = functools.partial(call, http, "POST", f"{base_url}/reset_prefix_cache")
     assert (await confirm_by_probe(http, base_url, reset)).confirmed
-    # a long request, not streamed, with the engine in short bursts: it still holds its blocks after
-    # the reset and the probe's few steps. (Streamed, the API server spent its time relaying 16,000
-    # chunks: the probe's requests waited behind them for 44 s while the engine finished the stream.)
-    body = {"model": MODEL, "prompt": prompt(99, 100), "max_tokens": 16000, "ignore_eos": True}
+    # a long stream, and the engine held except while one of the probe's own requests is out: the
+    # stream advances only the few steps those take, so it still holds its blocks at the reset
+    # however fast or loaded the machine (in time-based bursts a fast engine, or a probe slowed by a
+    # busy host, let the stream finish first and the reset then succeeded). Read only up to its
+    # first token, the stream does not keep vLLM's API server busy relaying it.
+    body = {"model": MODEL, "prompt": prompt(99, 100), "max_tokens": 16000, "ignore_eos": True, "stream": True}
+    started = asyncio.Event()
 
-    async def long_request() -> int:
+    async def first_token_then_wait() -> None:
         async with http.post(f"{base_url}/v1/completions", json=body) as resp:
-            return resp.status
+            assert resp.status == 200, await resp.text()
+            async for line in resp.content:
+                if line.startswith(b"data: {"):
+                    started.set()
+                    await asyncio.Event().wait()  # until cancelled: the rest stays unread
 
-    async with EngineBrake(server.proc.pid).throttled():
-        long = asyncio.ensure_future(long_request())
+    brake = EngineBrake(server.proc.pid)
+    trace = aiohttp.TraceConfig()
+
+    async def run_engine(*_: object) -> None:
+        brake.release()
+
+    async def hold_engine(*_: object) -> None:
+        brake.hold()
+
+    trace.on_request_start.append(run_engine)
+    trace.on_request_end.append(hold_engine)
+    trace.on_request_exception.append(hold_engine)
+    async with brake, aiohttp.ClientSession(trace_configs=[trace]) as probe_http:
+        long = asyncio.ensure_future(first_token_then_wait())
         try:
-            await _running(http, base_url)
-            outcome = await confirm_by_probe(http, base_url, reset, timeout_s=60)
-            assert not long.done(), ("the long request ended before the probe ran", long.result())
+            await asyncio.wait_for(started.wait(), 120)
+            brake.hold()
+            probe_reset = functools.partial(call, probe_http, "POST", f"{base_url}/reset_prefix_cache")
+            outcome = await confirm_by_probe(probe_http, base_url, probe_reset, timeout_s=60)
         finally:
+            brake.release()
             long.cancel()
             await asyncio.gather(long, return_exceptions=True)
     assert not outcome.confirmed and "still hit" in outcome.detail, outcome
@@ -236,17 +256,6 @@ def _reference(path: str, tokens: list[int]) -> torch.Tensor:
         logits = _model(path)(torch.tensor([tokens])).logits[0].float()
     logprobs = torch.log_softmax(logits[:-1], dim=-1)
     return logprobs.gather(1, torch.tensor(tokens[1:])[:, None])[:, 0]
-
-
-async def _running(http: aiohttp.ClientSession, base_url: str, timeout_s: float = 120) -> None:
-    """Until the server's ``vllm:num_requests_running`` is at least 1."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        async with http.get(f"{base_url}/metrics") as resp:
-            if parse_vllm_metrics(await resp.text()).num_running >= 1:
-                return
-        assert time.monotonic() < deadline, f"no request running after {timeout_s} s"
-        await asyncio.sleep(0.05)
 
 
 class LongStream:
