@@ -50,20 +50,21 @@ class Admission:
     waited: bool = False
 
 
-def project(view: ReplicaView, ledger: KvLedger, registry: KeyRegistry) -> ReplicaView:
+def project(view: ReplicaView, ledger: KvLedger, registry: KeyRegistry, *, parked: bool = True) -> ReplicaView:
     """``view`` as admission sees it: the in-flight count, and as ``kv_cache_usage`` the
     projected usage ``(max(scraped * blocks + unseen, committed) + parked) / blocks``.
 
     With several routers (``ledger.peers``) the in-flight count, ``unseen`` and ``committed``
     include the other routers' shares, so N routers together respect the watermark.
-    A replica of unknown size (``num_gpu_blocks == 0``) keeps its scraped usage.
+    A replica of unknown size (``num_gpu_blocks == 0``) keeps its scraped usage. ``parked=False``:
+    the running work alone (parked prefixes sit in vLLM's free queue, evictable).
     """
     rid, cap = view.replica_id, view.num_gpu_blocks
     count = ledger.count(rid) + ledger.peer(rid).requests
     if not cap:
         return replace(view, in_flight=count)
     running = running_blocks(view, ledger)
-    return replace(view, in_flight=count, kv_cache_usage=(running + registry.parked_blocks(rid)) / cap)
+    return replace(view, in_flight=count, kv_cache_usage=(running + (registry.parked_blocks(rid) if parked else 0)) / cap)
 
 
 def running_blocks(view: ReplicaView, ledger: KvLedger) -> float:
@@ -269,11 +270,7 @@ class AdmissionState:
 
     def _fits_running(self, view: ReplicaView, request: AdmissionRequest) -> bool:
         """Whether ``request`` fits the watermark beside the requests in flight alone."""
-        count = self.ledger.count(view.replica_id) + self.ledger.peer(view.replica_id).requests
-        running = replace(view, in_flight=count)
-        if view.num_gpu_blocks:
-            running = replace(running, kv_cache_usage=running_blocks(view, self.ledger) / view.num_gpu_blocks)
-        return fits(running, 0, request.new_blocks, self.cfg)[0]
+        return fits(project(view, self.ledger, self.registry, parked=False), 0, request.new_blocks, self.cfg)[0]
 
     def pump(self, views: list[ReplicaView], now: float,
              freed: Mapping[ReplicaId, int] | None = None) -> list[tuple[AdmissionRequest, Admission]]:

@@ -18,7 +18,6 @@ import socket
 import sys
 import typing
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from replicas.config import StartupError
