@@ -118,12 +118,13 @@ async def test_an_update_under_load_every_claim_matches_its_checkpoint(http, sma
         await asyncio.sleep(0.3)  # a turn and a fan-out in flight
         streams = [asyncio.ensure_future(stream(http, url, prompt, "grpo-1", f"stream {k}", claims, gen_notes))
                    for k in range(GROUP)]
-        # held once a stream has tokens, at most half of them, and the router has caught up with the
-        # held engine: it is decoding when the update pauses the engine (waiting for both can let the
-        # first one finish while the second is still being placed; read mid-backlog, a fast engine's
-        # stream had been generated to its end and finished before the update counted it)
-        await brake.hold_when(relaying(app, "replica-0", most=STREAM_TOKENS // 2, settled_s=0.5), 120,
-                              settle_s=2.0, what="a stream relaying")
+        # held once a stream has tokens and the router has caught up with the held engine: it is
+        # decoding when the update pauses the engine (waiting for both can let the first one finish
+        # while the second is still being placed; read mid-backlog, a fast engine's stream had been
+        # generated to its end and finished before the update counted it). Short bursts (<= 50 ms):
+        # a fast engine decodes a whole stream in 200 ms.
+        await brake.hold_when(relaying(app, "replica-0", settled_s=0.5), 120, max_run_s=0.05, settle_s=2.0,
+                              what="a stream relaying")
         body = {"version": 1, "weights_path": CKPT[1], "policy": policy, "pause_mode": pause_mode}
         if pause_mode == "wait":
             body["drain_timeout_s"] = 60  # keep / abort: default 0, what is in flight is kept / ended
