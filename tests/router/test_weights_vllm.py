@@ -70,11 +70,13 @@ async def stream(http, url: str, prompt: list[int], group: str, what: str, out: 
 
 async def session(http, url: str, stop: asyncio.Event, out: list, notes: list) -> None:
     history = tokens(7, 120)
-    turn = 0
+    turn, sid = 0, "rollout-1"
     while not stop.is_set() or turn < 2:
+        if len(history) > 1500:  # the replica's max_model_len is 2048: a long (slow) run starts a new session
+            history, sid = tokens(7 + turn, 120), f"rollout-1-{turn}"
         body = {"prompt": history, "max_tokens": 6, "ignore_eos": True, "temperature": 0.0, "logprobs": 0,
                 "return_token_ids": True}
-        answer = await post(http, url, "/v1/completions", body, {"X-Session-Id": "rollout-1"})
+        answer = await post(http, url, "/v1/completions", body, {"X-Session-Id": sid})
         note, choice = answer["rollout_router"], answer["choices"][0]
         notes.append(note)
         assert note["weight_versions"] == [note["weight_version"]] and len(note["spans"]) == 1
