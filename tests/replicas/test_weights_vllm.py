@@ -169,9 +169,9 @@ async def test_probe_confirms_a_real_reset_and_not_a_refused_one(http, base_url,
     trace.on_request_exception.append(hold_engine)
     async with brake, aiohttp.ClientSession(trace_configs=[trace]) as probe_http:
         long = asyncio.ensure_future(first_token_then_wait())
-        try:
-            await asyncio.wait_for(started.wait(), 120)
-            brake.hold()
+        try:  # held from the start, run in bursts <= 20 ms until the first token is read (let run
+            # freely, a fast engine decoded all 16,000 tokens while a loaded client read the first)
+            await brake.hold_when(started.is_set, 120, max_run_s=0.02, what="the stream's first token")
             probe_reset = functools.partial(call, probe_http, "POST", f"{base_url}/reset_prefix_cache")
             outcome = await confirm_by_probe(probe_http, base_url, probe_reset, timeout_s=60)
         finally:

@@ -183,7 +183,7 @@ async def test_flush_refused_by_a_kept_stream_restores_the_old_weights_and_serve
         resp = asyncio.ensure_future(http.post(url + "/v1/completions", json=body))
         # held while it streams: it is still running when the update pauses (keep) and resets
         # (and the router caught up with the held engine: it has generated no more than it relayed)
-        await brake.hold_when(relaying(app, "replica-0", most=950, settled_s=0.5), 60, settle_s=2.0,
+        await brake.hold_when(relaying(app, "replica-0", most=950, settled_s=0.5), 60, settle_s=2.0, max_run_s=0.02,
                               what="the stream relaying")
         update_body = {"version": 1, "weights_path": SEED1, "pause_mode": "keep", "preempt_running": False}
         answer = asyncio.ensure_future(http.post(url + "/admin/weights", json=update_body, headers=ADMIN))
