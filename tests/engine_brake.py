@@ -20,8 +20,9 @@ import contextlib
 import os
 import signal
 import threading
+from collections import deque
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 
 from replicas.procs import group_members
 
@@ -90,12 +91,15 @@ class EngineBrake:
             self.release()
 
     async def hold_when(self, cond: Callable[[], bool], timeout_s: float = 120.0, *, run_s: float = 0.01,
-                        max_run_s: float = 0.2, settle_s: float = 1.0, what: str = "the condition") -> None:
+                        max_run_s: float = 0.2, settle_s: float = 1.0, what: str = "the condition",
+                        watch: Sequence[asyncio.Future] = ()) -> None:
         """Run the engine in bursts, starting at ``run_s`` seconds and doubling up to ``max_run_s``
         (a burst may be too short for one engine step); after each, hold it and poll ``cond()`` for
         up to ``settle_s`` seconds (the API server and the router relay what the burst made: on a
         loaded machine that lags the engine by seconds); return held once ``cond()`` is true.
-        Raises AssertionError naming ``what`` after ``timeout_s``."""
+        Raises AssertionError naming ``what`` after ``timeout_s``; with ``watch`` (the tasks that
+        make ``cond()`` come true), re-raises the first one's error as soon as one fails, and raises
+        :class:`Finished` once all of them finished without ``cond()`` (waiting on could not help)."""
         deadline = time.monotonic() + timeout_s
         burst = run_s
         while True:
@@ -104,18 +108,38 @@ class EngineBrake:
             while True:
                 if cond():
                     return
+                _check_watched(watch, what + self._story(cond))
                 if time.monotonic() >= settled:
                     break
                 await asyncio.sleep(0.02)
-            assert time.monotonic() < deadline, f"{what} never held within {timeout_s} s"
+            assert time.monotonic() < deadline, f"{what} never held within {timeout_s} s{self._story(cond)}"
             self.release()
             await asyncio.to_thread(self._run_for, burst)  # timed in a thread: a busy loop overshot it
             burst = min(2 * burst, max_run_s)
+
+    def _story(self, cond: Callable[[], bool]) -> str:
+        """What a failed wait saw: the holds so far and the condition's last observations, where it
+        keeps them (``relaying``: time, flights on the replica, tokens each stream relayed)."""
+        seen = list(getattr(cond, "history", ()))
+        return f" ({self.holds} holds, engine pids {self._engine}; last seen (t, flights, stream tokens): {seen})"
 
     def _run_for(self, seconds: float) -> None:
         """Let the engine run ``seconds`` (it is released), then hold it."""
         time.sleep(seconds)
         self.hold()
+
+
+class Finished(AssertionError):
+    """``hold_when``: every watched task finished (without error) before the condition held."""
+
+
+def _check_watched(watch: Sequence[asyncio.Future], what: str) -> None:
+    """Raise what a failed task in ``watch`` raised; :class:`Finished` when all of them are done."""
+    for task in watch:
+        if task.done() and not task.cancelled() and task.exception() is not None:
+            raise task.exception()
+    if watch and all(task.done() for task in watch):
+        raise Finished(f"every task {what} waited on finished before it held: {[t.result() for t in watch]}")
 
 
 async def engine_core_of(replica_set, rid: str, timeout_s: float = 60.0) -> tuple[int, int]:
@@ -168,18 +192,24 @@ def relaying(app, rid: str, n: int = 1, most: int | None = None, settled_s: floa
     from router import keys
 
     seen = {"tokens": -1, "since": 0.0, "asked": 0.0}
+    history: deque = deque(maxlen=12)
 
     def cond() -> bool:
         now = time.monotonic()
         gap, seen["asked"] = now - seen["asked"], now
-        flights = [f for f in app[keys.LIFECYCLE].flights.get(rid, {}).values()
+        every = list(app[keys.LIFECYCLE].flights.get(rid, {}).values())
+        flights = [f for f in every
                    if f.streaming and 0 < sum(f.tokens.values()) <= (most or 1 << 62) and not f.task.done()]
+        observed = (round(now, 2), len(every), [sum(f.tokens.values()) for f in every if f.streaming])
+        if not history or history[-1][1:] != observed[1:]:
+            history.append(observed)
         if len(flights) < n:
             return False
         tokens = sum(sum(f.tokens.values()) for f in flights)
         if tokens != seen["tokens"] or gap > 0.1:  # new tokens, or the engine ran since the last look
             seen["tokens"], seen["since"] = tokens, now
         return now - seen["since"] >= settled_s
+    cond.history = history  # type: ignore[attr-defined]
     return cond
 
 

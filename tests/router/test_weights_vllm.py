@@ -19,7 +19,7 @@ from replicas.tiny_model import TinyModelSpec, ensure_tiny_model
 from replicas.weights_http import call
 from router.config import AppConfig
 from router.server import running_router
-from tests.engine_brake import EngineBrake, phase_reached, relaying
+from tests.engine_brake import EngineBrake, Finished, phase_reached, relaying
 from tests.router.small_replica import weight_test_fixtures
 from tests.router.weights_check import Claim, read_events, stream_claims, verify
 
@@ -57,15 +57,28 @@ async def post(http, url: str, path: str, body: dict, headers: dict | None = Non
     raise AssertionError(f"{path}: still 503 after 20 tries: {payload}")
 
 
-async def stream(http, url: str, prompt: list[int], group: str, what: str, out: list, notes: list) -> None:
+async def stream(http, url: str, prompt: list[int], group: str, what: str, out: list, notes: list) -> str:
+    """Stream one long completion; a 503 before it starts is retried after its Retry-After, as in
+    :func:`post`. Returns what it got (tokens, finish reason, versions), for a failed wait's message."""
     body = {"prompt": prompt, "max_tokens": STREAM_TOKENS, "ignore_eos": True, "temperature": 0.0, "logprobs": 0,
             "return_token_ids": True, "stream": True}
-    async with http.post(url + "/v1/completions", json=body, headers={"X-Group-Id": group}) as r:
-        assert r.status == 200, await r.text()
-        first = await r.content.readuntil(b"\n\n")
-        claims, note, _ = stream_claims(prompt, await read_events(r, first), what)
+    for _ in range(20):
+        async with http.post(url + "/v1/completions", json=body, headers={"X-Group-Id": group}) as r:
+            if r.status == 503 and "Retry-After" in r.headers:
+                await r.read()
+                await asyncio.sleep(float(r.headers["Retry-After"]))
+                continue
+            assert r.status == 200, await r.text()
+            first = await r.content.readuntil(b"\n\n")
+            events = await read_events(r, first)
+            claims, note, ids = stream_claims(prompt, events, what)
+            break
+    else:
+        raise AssertionError(f"{what}: still 503 after 20 tries")
     out.extend(claims)
     notes.append(note)
+    finish = [c.get("finish_reason") for e in events for c in e.get("choices") or [] if c.get("finish_reason")]
+    return f"{what}: {len(ids)} tokens, finish {finish}, versions {note['weight_versions']}"
 
 
 async def session(http, url: str, stop: asyncio.Event, out: list, notes: list) -> None:
@@ -118,15 +131,26 @@ async def test_an_update_under_load_every_claim_matches_its_checkpoint(http, sma
         loops = [asyncio.ensure_future(session(http, url, stop, claims, gen_notes)),
                  asyncio.ensure_future(scoring(http, url, stop, claims, score_notes))]
         await asyncio.sleep(0.3)  # a turn and a fan-out in flight
-        streams = [asyncio.ensure_future(stream(http, url, prompt, "grpo-1", f"stream {k}", claims, gen_notes))
-                   for k in range(GROUP)]
+        streams: list[asyncio.Future] = []
         # held once a stream has tokens and the router has caught up with the held engine: it is
         # decoding when the update pauses the engine (waiting for both can let the first one finish
         # while the second is still being placed; read mid-backlog, a fast engine's stream had been
         # generated to its end and finished before the update counted it). Short bursts (<= 50 ms):
         # a fast engine decodes a whole stream in 200 ms.
-        await brake.hold_when(relaying(app, "replica-0", settled_s=0.5), 120, max_run_s=0.05, settle_s=2.0,
-                              what="a stream relaying")
+        # A group whose streams all finished unheld (seen once in CI, cause unknown: the message says
+        # what they got) is followed by another, at most twice; their claims are checked all the same.
+        for attempt in range(3):
+            group = [asyncio.ensure_future(stream(http, url, prompt, f"grpo-{attempt}", f"stream {attempt}.{k}",
+                                                  claims, gen_notes)) for k in range(GROUP)]
+            streams += group
+            try:
+                await brake.hold_when(relaying(app, "replica-0", settled_s=0.5), 120, max_run_s=0.05, settle_s=2.0,
+                                      what="a stream relaying", watch=group)
+                break
+            except Finished as e:
+                if attempt == 2:
+                    raise
+                print(f"retrying with a new group: {e}")
         body = {"version": 1, "weights_path": CKPT[1], "policy": policy, "pause_mode": pause_mode}
         if pause_mode == "wait":
             body["drain_timeout_s"] = 60  # keep / abort: default 0, what is in flight is kept / ended
