@@ -45,9 +45,13 @@ def pick_min(
     return tied[0] if len(tied) == 1 else rng.choice(tied)
 
 
-def least_loaded(candidates: Sequence[ReplicaView], rng: random.Random) -> ReplicaView:
-    """The least loaded candidate (see :func:`load`); ties broken by ``rng``."""
-    return pick_min(candidates, load, rng)
+def least_loaded(candidates: Sequence[ReplicaView], rng: random.Random,
+                 routed: Mapping[ReplicaId, int] | None = None) -> ReplicaView:
+    """The least loaded candidate (see :func:`load`); with ``routed`` (requests sent to each
+    replica so far), ties go to the one that was sent the fewest; remaining ties by ``rng``."""
+    if routed is None:
+        return pick_min(candidates, load, rng)
+    return pick_min(candidates, lambda c: (load(c), routed.get(c.replica_id, 0)), rng)
 
 
 def longest_prefix(

@@ -146,9 +146,36 @@ def test_ties_are_broken_by_rng_not_index_size(fleet2, hreq) -> None:
     firsts = Counter()
     for seed in range(40):
         p = policy(seed)
-        place(p, hreq(range(100, 150)), "a")  # a much bigger index, same load
+        place(p, hreq(range(100, 150)), "a")  # a much bigger index, same load, as many requests sent
+        place(p, hreq([7]), "b")
         firsts[p.select(hreq([1, 2]), fleet2.list()).replica_id] += 1
     assert firsts["a"] > 5 and firsts["b"] > 5
+
+
+def test_a_new_key_between_equally_loaded_replicas_goes_to_the_one_sent_fewer_requests(fleet2, hreq) -> None:
+    for seed in range(20):
+        p = policy(seed)
+        for i in range(3):
+            place(p, hreq([500 + i]), "a")
+        place(p, hreq([600]), "b")
+        assert p.routed == {"a": 3, "b": 1}
+        assert p.select(hreq([1, 2]), fleet2.list()).replica_id == "b"  # tied on load: b was sent fewer
+    fleet2.set("b", in_flight=1)
+    assert p.select(hreq([1, 2]), fleet2.list()).replica_id == "a"  # load comes first
+
+
+def test_a_replica_that_joins_or_comes_back_empty_counts_as_sent_as_few_as_the_least_sent(hreq) -> None:
+    p = policy()
+    p.on_replicas_changed(["a", "b"])
+    for i in range(4):
+        place(p, hreq([500 + i]), "a")
+    place(p, hreq([600]), "b")
+    p.on_replicas_changed(["a", "b", "c"])  # joins late: not every new key until it has 4
+    assert p.routed == {"a": 4, "b": 1, "c": 1}
+    p.forget_replica("a")  # restarted empty
+    assert p.routed == {"a": 1, "b": 1, "c": 1}
+    p.on_replicas_changed(["b", "c"])
+    assert p.routed == {"b": 1, "c": 1}
 
 
 def test_cache_threshold(fleet2, hreq) -> None:

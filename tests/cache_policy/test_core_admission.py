@@ -379,6 +379,27 @@ def test_one_pump_pass_starts_only_the_sessions_the_share_holds(fake_clock):
     core.check_integrity()
 
 
+def test_a_new_session_goes_to_a_replica_with_session_room_rather_than_wait_on_a_full_one(fake_clock):
+    # A's share is full (s1, s2 live); B, as loaded as A (nothing in flight) but sent more
+    # requests, holds no session: the new session starts on B now instead of waiting on A,
+    # which the tie-break alone would pick; a session that already has a pin stays on it
+    b = ReplicaId("replica-1")
+    core = make(queue_timeout_s=30.0, session_fraction=0.5)
+    sessions_end_at_20_and_two_live(core, fake_clock)
+    core.add_replica(b, block_size=32, num_gpu_blocks=100)
+    core.policy.routed[b] = 99
+    assert core.admission.sessions_full(core._view(A), fake_clock.now())
+    job, adm = ask(core, fake_clock, 5, session="s3")
+    assert (job.decision.replica_id, adm.verdict) == (b, "admit")
+    core.finish(job, "ok", fake_clock.now())
+    other, _ = ask(core, fake_clock, 5)  # no session: the share does not apply, the tie-break does
+    assert other.decision.replica_id == A
+    core.finish(other, "ok", fake_clock.now())
+    turn, adm = ask(core, fake_clock, 6, session="s1")
+    assert (turn.decision.replica_id, adm.verdict) == (A, "admit")
+    core.check_integrity()
+
+
 def test_without_an_ended_session_new_sessions_are_not_limited(fake_clock):
     core = make(queue_timeout_s=30.0)
     for sid in ("s1", "s2", "s3", "s4"):
