@@ -60,6 +60,9 @@ class ReplicaEndpoint:
     model_root: str | None = None
     """Where the server loaded its model from (``/v1/models`` ``root``: a folder or a hub name);
     None when it did not say (replicas launched here: ``ReplicaSetConfig.model``)."""
+    max_model_len: int | None = None
+    """The server's ``max_model_len`` as its ``/v1/models`` says; None when it did not say
+    (replicas launched here run ``ReplicaSetConfig.max_model_len``)."""
 
 
 class ReplicaSet(Membership):
@@ -261,6 +264,7 @@ class ReplicaSet(Membership):
             kv_events=await fetch_source(self._session, url),
             api_key=api_key,
             model_root=served.root if served else None,
+            max_model_len=served.max_model_len if served else None,
         )
 
     async def _init_ray(self) -> None:

@@ -26,10 +26,12 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ServedModel:
-    """The base model one server serves: its served ``name`` and the ``root`` it loaded from."""
+    """The base model one server serves: its served ``name``, the ``root`` it loaded from and its
+    ``max_model_len`` (tokens, prompt + output; None when the answer does not give one)."""
 
     name: str
     root: str | None = None
+    max_model_len: int | None = None
 
 
 def parse_models(payload: Any) -> ServedModel | None:
@@ -38,8 +40,9 @@ def parse_models(payload: Any) -> ServedModel | None:
     first = data[0] if isinstance(data, list) and data and isinstance(data[0], dict) else None
     if first is None or not isinstance(first.get("id"), str) or not first["id"]:
         return None
-    root = first.get("root")
-    return ServedModel(first["id"], root if isinstance(root, str) and root else None)
+    root, length = first.get("root"), first.get("max_model_len")
+    return ServedModel(first["id"], root if isinstance(root, str) and root else None,
+                       length if type(length) is int and length > 0 else None)
 
 
 async def fetch_served_model(session: aiohttp.ClientSession, base_url: str,

@@ -51,7 +51,7 @@ def create_app(cfg: AppConfig, endpoints: Sequence[ReplicaEndpoint], tokenizer: 
     app = web.Application(middlewares=[metrics_middleware(metrics), error_middleware, edge_middleware(cfg)],
                           client_max_size=cfg.router.max_body_bytes)
     app[keys.CONFIG] = cfg
-    app[keys.LIMITS] = Limits.of(cfg)
+    app[keys.LIMITS] = Limits.of(cfg, endpoints)
     app[keys.POOL] = ReplicaPool(endpoints)
     app[keys.METRICS] = metrics
     app[keys.TOKENIZER] = tokenizer

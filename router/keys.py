@@ -13,7 +13,8 @@ from aiohttp import web
 
 CONFIG = web.AppKey("config", "router.config.AppConfig")
 LIMITS = web.AppKey("limits", "router.parse.Limits")
-"""``router.parse.Limits.of(app[CONFIG])``, computed once (the config is frozen)."""
+"""``router.parse.Limits.of(app[CONFIG], endpoints)``, computed once at start (the config is frozen;
+a replica added later with a shorter ``max_model_len`` refuses a longer prompt with its own 400)."""
 POOL = web.AppKey("pool", "router.pool.ReplicaPool")
 CORE = web.AppKey("core", "cache_policy.core.DecisionCore")
 METRICS = web.AppKey("metrics", "router.metrics.RouterMetrics")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Literal, Mapping
+from typing import Any, Literal, Mapping, Sequence
 
 from router.body import is_utf8, load_json_object
 from router.errors import BadRequest, echo
@@ -39,10 +39,16 @@ class Limits:
     max_key_chars: int
 
     @classmethod
-    def of(cls, cfg: Any) -> "Limits":
-        """The limits of an ``AppConfig``."""
+    def of(cls, cfg: Any, endpoints: Sequence[Any] = ()) -> "Limits":
+        """The limits of an ``AppConfig`` in front of ``endpoints`` (``ReplicaEndpoint``s):
+        ``max_model_len`` is ``router.max_model_len`` when set, else the smallest one the
+        replicas' ``/v1/models`` reported (servers given as ``replicas.urls``: vLLM would refuse
+        a longer prompt with its own 400), else ``replicas.max_model_len``."""
         r = cfg.router
-        return cls(cfg.max_model_len, cfg.max_prompt_chars, r.max_n, r.max_score_responses, r.max_key_chars)
+        reported = [ep.max_model_len for ep in endpoints if getattr(ep, "max_model_len", None)]
+        length = r.max_model_len or min(reported, default=cfg.replicas.max_model_len)
+        chars = r.max_prompt_chars or 16 * length
+        return cls(length, chars, r.max_n, r.max_score_responses, r.max_key_chars)
 
 
 @lru_cache(maxsize=1)

@@ -17,8 +17,10 @@ VLLM_MODELS = {"object": "list", "data": [
 
 
 def test_parse_models_takes_the_base_model():
-    assert parse_models(VLLM_MODELS) == ServedModel("qwen", "/models/Qwen3-8B")
-    assert parse_models({"data": [{"id": "m"}]}) == ServedModel("m", None)
+    assert parse_models(VLLM_MODELS) == ServedModel("qwen", "/models/Qwen3-8B", 32768)
+    assert parse_models({"data": [{"id": "m"}]}) == ServedModel("m", None, None)
+    for bad_length in (0, -1, "4096", 4096.0, True, None):
+        assert parse_models({"data": [{"id": "m", "max_model_len": bad_length}]}) == ServedModel("m")
     for bad in ({}, {"data": []}, {"data": [{"root": "/x"}]}, [], "", {"data": [{"id": ""}]}):
         assert parse_models(bad) is None
 
@@ -39,3 +41,14 @@ def test_block_sizes_must_agree(caplog):
     with pytest.raises(StartupError, match=r"^urls\[1\] http://b:2 has KV block size 32 but replica-0 "
                                            r"\(http://a:1\) has 16: every replica"):
         agreed_block_size("urls[1] http://b:2", 32, 32, [a])
+
+
+def test_the_shortest_reported_max_model_len_bounds_prompts_unless_the_router_sets_one():
+    from router.config import AppConfig
+    from router.parse import Limits
+
+    eps = [SimpleNamespace(max_model_len=4096), SimpleNamespace(max_model_len=2048), SimpleNamespace(max_model_len=None)]
+    assert Limits.of(AppConfig(), eps).max_model_len == 2048
+    assert Limits.of(AppConfig(), eps).max_prompt_chars == 16 * 2048
+    assert Limits.of(AppConfig(), [SimpleNamespace(max_model_len=None)]).max_model_len == 16384  # replicas.max_model_len
+    assert Limits.of(AppConfig().replace(router={"max_model_len": 3000}), eps).max_model_len == 3000

@@ -24,7 +24,7 @@ async def test_the_served_models_folder_is_the_routers_tokenizer(replica_set):
     tiny = resolve_model(ReplicaSetConfig())
     async with aiohttp.ClientSession() as http:
         served = await fetch_served_model(http, replica.base_url)  # sends the replica's key (PROCESS_KEYS)
-        assert served == ServedModel("tiny-llama", tiny)
+        assert served == ServedModel("tiny-llama", tiny, replica_set.cfg.max_model_len)
         assert model_source(ReplicaSetConfig(urls=(replica.base_url,)), [served.root]) == tiny
         cfg = AppConfig().replace(router={"port": 0, "scrape_interval_s": 0}, replicas={"urls": (replica.base_url,)})
         async with running_router(cfg, [dataclasses.replace(replica, model_root=served.root)]) as (url, app):
@@ -33,3 +33,4 @@ async def test_the_served_models_folder_is_the_routers_tokenizer(replica_set):
                 assert resp.status == 200, await resp.text()
                 usage = (await resp.json())["usage"]
     assert usage["prompt_tokens"] == len(PromptTokenizer(tiny).completion_ids(text))
+

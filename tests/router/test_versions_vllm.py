@@ -204,3 +204,30 @@ async def test_flush_refused_by_a_kept_stream_restores_the_old_weights_and_serve
         assert (note["weight_versions"], note["hybrid"], len(note["spans"])) == ([0], False, 1)
 
 
+async def test_a_router_in_front_of_a_server_refuses_a_prompt_past_its_max_model_len_itself(small):
+    # servers given as replicas.urls: the router learns max_model_len from /v1/models (the
+    # config's default, 16,384, is not what they run) and answers the 400 naming the field
+    # before admission, instead of relaying vLLM's refusal after placing the request
+    import dataclasses
+
+    import aiohttp
+
+    from replicas.served_model import fetch_served_model
+
+    replica = small.endpoints[0]
+    served_len = small.cfg.max_model_len
+    assert served_len < AppConfig().replicas.max_model_len
+    async with aiohttp.ClientSession() as http:
+        served = await fetch_served_model(http, replica.base_url)  # what ReplicaSet._wrap reads for a URL
+        assert served.max_model_len == served_len
+        wrapped = [dataclasses.replace(replica, max_model_len=served.max_model_len)]
+        cfg = AppConfig().replace(router={"port": 0, "scrape_interval_s": 0}, replicas={"urls": (replica.base_url,)})
+        async with running_router(cfg, wrapped) as (url, app):
+            body = {"prompt": prompt(40, served_len), "max_tokens": 1}
+            async with http.post(url + "/v1/completions", json=body) as resp:
+                error = (await resp.json())["error"]
+            assert resp.status == 400 and error["param"] == "prompt", error
+            assert f"the model's max_model_len of {served_len} leaves no room for output" in error["message"]
+            body = {"prompt": prompt(41, served_len - 1), "max_tokens": 1}
+            async with http.post(url + "/v1/completions", json=body) as resp:
+                assert resp.status == 200, await resp.text()
