@@ -85,7 +85,7 @@ class PolicyConfig:
 
     The trade: fewer live sessions prefill less but finish later (tool-call pauses leave the
     engine idle). ``bench.sim`` mixed, prefilled/ideal and makespan (sessions opened in one pump
-    pass counted, ``AdmissionState.sessions_full``): 64 replicas ws/kv 2: 0.5 1.088 in 314 s,
+    pass counted, ``AdmissionState.sessions_full``; on 7716a2b): 64 replicas ws/kv 2: 0.5 1.088 in 314 s,
     0.75 1.088 in 164 s, 1 1.094 in 141 s (sticky least-loaded: 1.904 in 51 s); 4 replicas
     ws/kv 0.5 / 1 / 2: 0.75 1.057 / 1.070 / 1.112, 1 1.062 / 1.219 / 1.264, 0.5 at ws/kv 2
     1.041 in 3,605 s vs 1,774 s at 0.75."""
