@@ -169,13 +169,29 @@ def param_in_message(message: object) -> str | None:
     return next((w for w in _WORD.findall(message[:500]) if w in REQUEST_FIELDS), None)
 
 
-def with_router_param(payload: dict, endpoint: str) -> dict:
+MAIN_FIELD = {"completions": "prompt", "chat": "messages", "score": "context"}
+"""The field a replica's error about an unnamed part of the input is put on, per endpoint."""
+_OWN_FIELDS = REQUEST_FIELDS | {"context", "responses", "body"}
+
+
+def with_router_param(payload: dict, endpoint: str, status: int | None = None) -> dict:
     """A replica's JSON error answer with ``error.param`` renamed by :func:`router_param`; a null
-    ``param`` becomes the field the message names (else ``"body"``): never null on a 4xx."""
+    ``param`` becomes the field the message names (else ``"body"``): never null on a 4xx. A name
+    that is no field of ours (a pydantic union member's location, e.g. vLLM's
+    ``"0.ChatCompletionMessageFunctionToolCallParam"`` for a malformed ``tool_calls``) becomes the
+    field the message names, else the endpoint's input field (``messages``). With ``status``, the
+    ``type`` and ``code`` are the router's own for it (:func:`error_type`; vLLM writes
+    ``"BadRequestError"`` or ``"Bad Request"``), as in every error body the router writes."""
     error = payload.get("error")
     if isinstance(error, dict):
-        param = error.get("param") or param_in_message(error.get("message")) or "body"
-        payload = {**payload, "error": {**error, "param": router_param(param, endpoint)}}
+        message = error.get("message")
+        param = router_param(error.get("param") or param_in_message(message) or "body", endpoint)
+        if isinstance(param, str) and re.split(r"[.\[]", param, maxsplit=1)[0] not in _OWN_FIELDS:
+            param = router_param(param_in_message(message) or MAIN_FIELD.get(endpoint, "body"), endpoint)
+        error = {**error, "param": param}
+        if status is not None:
+            error.update(type=error_type(status), code=status)
+        payload = {**payload, "error": error}
     return payload
 
 

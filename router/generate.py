@@ -47,7 +47,6 @@ async def forward(client: web.Request, parsed: ParsedRequest, token_ids: list[in
     life, core, metrics = app[keys.LIFECYCLE], app[keys.CORE], app[keys.METRICS]
     cfg = app[keys.CONFIG].router
     expose = getattr(cfg, "expose_expected_cached_tokens", True)
-    samples = parsed.body.get("n") if isinstance(parsed.body.get("n"), int) else 1
     spec = RequestSpec(token_ids, parsed.keys.session_id, parsed.keys.group_id, parsed.keys.weight_version,
                        parsed.keys.tenant, "generate", new_tokens(parsed.body, cfg.admission_default_max_tokens),
                        ends_session=parsed.keys.end_session)
@@ -79,7 +78,10 @@ async def forward(client: web.Request, parsed: ParsedRequest, token_ids: list[in
             cached = resp.get(CACHED_TOKENS)
             job.generated_tokens = sum(flight.tokens.values())
         if resp.status == 200:  # prompts a replica refused were never prefilled
-            metrics.count_prompt(job, len(token_ids) * samples, cached)
+            # the prompt once, whatever n: vLLM's usage counts it (and its cached tokens) once, and
+            # so do the predicted tokens (counted n times against one reported hit, a fresh user
+            # read 4x the engine's hits predicted for n=4)
+            metrics.count_prompt(job, len(token_ids), cached)
         return resp
 
     return await life.run(spec, attempt, status=lambda r: r.status, failed=lambda r: bool(r.get(FAILED)),

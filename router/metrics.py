@@ -110,8 +110,9 @@ class RouterMetrics:
         self._cached: dict[str, int] = {}
 
     def count_prompt(self, job, prompt_tokens: int, reported_cached: int | None) -> None:
-        """A replica accepted ``job``: ``prompt_tokens`` it prefills (every sample's, every
-        response's), the router's predicted cached tokens, and the cached tokens it reported."""
+        """A replica accepted ``job``: ``prompt_tokens`` it was sent (a completion's prompt once,
+        whatever ``n``, as vLLM's usage counts it; a scoring fan-out's every context + response),
+        the router's predicted cached tokens for them, and the cached tokens it reported."""
         rid = str(job.replica_id)
         samples = max(1, prompt_tokens // max(1, job.view.num_prompt_tokens))
         self.prompt_tokens.labels(rid).inc(prompt_tokens)

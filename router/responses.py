@@ -66,7 +66,7 @@ def json_answer(result: UpstreamResult, job: Job, core: DecisionCore, endpoint: 
         body = encode_body(payload) if result.strict else json.dumps(payload).encode()  # msgspec: NaN -> null
         return web.Response(body=body, status=200, content_type="application/json", headers=headers)
     if 400 <= result.status < 500 and isinstance(payload, dict):
-        return web.Response(text=json.dumps(with_router_param(payload, endpoint)), status=result.status,
+        return web.Response(text=json.dumps(with_router_param(payload, endpoint, result.status)), status=result.status,
                             content_type="application/json", headers=headers)
     return web.Response(body=result.raw, status=result.status, content_type="application/json", headers=headers)
 

@@ -45,6 +45,25 @@ async def test_grpo_group_of_16_lands_on_one_replica_and_prefills_once(router, r
     assert expected[0] == 0 and expected[1:] == [full_blocks_tokens] * 15
 
 
+async def test_a_request_with_n_samples_counts_its_prompt_once_as_vllms_usage_does(router):
+    # prompt, predicted and reported cached tokens on one footing: for n = 4 the engine's usage
+    # reports the prompt and its hit once, and the router's counters move by the same amounts
+    m = router.app[keys.METRICS]
+    prompt = unique_prompt(4, 200)
+    _, rid = await _complete(router, prompt, {"X-Group-Id": "n-samples"})
+
+    def read() -> tuple[float, float, float]:
+        return tuple(c.labels(rid)._value.get() for c in (m.prompt_tokens, m.predicted_cached, m.reported_cached))
+
+    before = read()
+    payload, again = await _complete(router, prompt, {"X-Group-Id": "n-samples"}, n=4)
+    moved = tuple(b - a for a, b in zip(before, read()))
+    cached = payload["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert again == rid and len(payload["choices"]) == 4 and payload["usage"]["prompt_tokens"] == 200
+    assert cached == (199 // BLOCK) * BLOCK
+    assert moved == (200, payload["rollout_router"]["expected_cached_tokens"], cached) == (200, cached, cached)
+
+
 async def test_session_turns_stay_on_one_replica_with_growing_hits(router):
     prompt = unique_prompt(2, 600)
     served, cached = [], []

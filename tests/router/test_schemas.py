@@ -101,6 +101,14 @@ def test_replica_errors_always_name_a_field():
     assert fixed("temperature must be non-negative, got -1.0.") == "temperature"
     assert fixed("This model's maximum context length is 16384 tokens", "input_tokens") == "messages"
     assert fixed("Something odd happened") == "body"
+    # a pydantic union member's location is no field of ours: the message's field, else the input's
+    assert fixed("Input should be a valid dictionary", "0.ChatCompletionMessageFunctionToolCallParam") == "messages"
+    assert fixed("bad 'seed' value", "0.SomeParam") == "seed"
+    assert fixed("x", "body.messages.0.tool_calls") == "messages[0].tool_calls"
+    answer = {"error": {"message": "Bad", "type": "BadRequestError", "param": "body.n", "code": 400}}
+    assert with_router_param(answer, "completions", 400)["error"] == {
+        "message": "Bad", "type": "invalid_request_error", "param": "n", "code": 400}
+    assert with_router_param(answer, "completions", 404)["error"]["type"] == "invalid_request_error"
 
 
 def test_tokens_are_compared_as_bytes_for_any_byte_string():
