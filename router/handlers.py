@@ -5,9 +5,10 @@ from __future__ import annotations
 from aiohttp import web
 
 from router import keys
-from router.errors import BadRequest, echo
+from router.errors import echo
 from router.generate import forward
 from router.intake import read_chat, read_completion
+from router.parse import key_text
 from router.schemas import openapi_document
 
 
@@ -59,10 +60,7 @@ async def end_session(request: web.Request) -> web.Response:
     prefix are released at once (idle expiry remains for clients that never say so). 200 either
     way: ``"ended": true`` when the router held the session, ``false`` (with a ``message``) when
     it held nothing to end (never seen, already ended, or expired idle)."""
-    session_id = request.match_info["session_id"]
-    limit = request.app[keys.CONFIG].router.max_key_chars
-    if len(session_id) > limit:
-        raise BadRequest(f"'session_id' is longer than {limit} characters (router.max_key_chars)", param="session_id")
+    session_id = key_text("session_id", request.match_info["session_id"], request.app[keys.LIMITS])
     if not request.app[keys.CORE].end_session(session_id):
         return web.json_response({"session_id": session_id, "ended": False, "message": (
             f"no session {echo(session_id)!r} on this router: never seen, already ended, or expired idle")})

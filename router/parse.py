@@ -91,7 +91,10 @@ class ParsedRequest:
     (the vocabulary check, ``router.tokenize``, reuses it instead of walking the IDs again)."""
 
 
-def _key_text(name: str, value: Any, limits: Limits) -> str | None:
+def key_text(name: str, value: Any, limits: Limits) -> str | None:
+    """A routing key (``session_id``, ``group_id``) as text; None when absent. BadRequest naming
+    ``name`` when it is not a string or integer, empty, longer than ``router.max_key_chars`` or
+    not printable (the rules every key follows, in a body, a header or a URL path)."""
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (str, int)):
@@ -131,8 +134,8 @@ def routing_keys(body: dict[str, Any], headers: Mapping[str, str], limits: Limit
             raise BadRequest(f"'{name}' is {echo(value)!r} in the body but {echo(header)!r} in header "
                              f"{HEADER_FOR[name]}; send it once", param=name)
         values[name] = header if value is None else value
-    session_id = _key_text("session_id", values["session_id"], limits)
-    group_id = _key_text("group_id", values["group_id"], limits)
+    session_id = key_text("session_id", values["session_id"], limits)
+    group_id = key_text("group_id", values["group_id"], limits)
     end_session = _end_session(body, headers)
     if end_session and session_id is None:
         raise BadRequest("'end_session' needs a session id: send 'session_id' (or header X-Session-Id) "

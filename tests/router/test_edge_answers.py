@@ -35,8 +35,9 @@ async def test_deleting_a_session_the_router_never_saw_says_it_ended_nothing():
         assert (status, body) == (200, {"session_id": "s1", "ended": True})
         status, body, _ = await call("DELETE", url + "/v1/sessions/s1")  # already ended
         assert (status, body["ended"]) == (200, False)
-        status, body, _ = await call("DELETE", url + "/v1/sessions/" + "s" * 300)
-        assert (status, body["error"]["param"], body["error"]["type"]) == (400, "session_id", "invalid_request_error")
+        for bad in ("s" * 300, "%20%20", "a%0Ab"):  # too long, blank, a control character: as in a request
+            status, body, _ = await call("DELETE", url + "/v1/sessions/" + bad)
+            assert (status, body["error"]["param"], body["error"]["type"]) == (400, "session_id", "invalid_request_error")
 
 
 async def test_error_types_follow_openais_names_from_the_status_alone():
