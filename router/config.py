@@ -11,6 +11,7 @@ Each choice list is defined once by its owner and imported here.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from dataclasses import field
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -234,12 +235,22 @@ class AppConfig:
     @property
     def max_model_len(self) -> int:
         """Longest prompt + output: ``router.max_model_len``, else the replicas'."""
-        return self.router.max_model_len or self.replicas.max_model_len
+        return self.model_len_for()
 
     @property
     def max_prompt_chars(self) -> int:
         """Character bound on a text prompt before tokenizing (``router.max_prompt_chars``)."""
-        return self.router.max_prompt_chars or 16 * self.max_model_len
+        return self.prompt_chars_for()
+
+    def model_len_for(self, reported: Iterable[int] = ()) -> int:
+        """Longest prompt + output in front of servers that ``reported`` these ``max_model_len``s
+        (``/v1/models``): ``router.max_model_len`` when set, else the smallest reported, else
+        ``replicas.max_model_len``."""
+        return self.router.max_model_len or min(reported, default=self.replicas.max_model_len)
+
+    def prompt_chars_for(self, reported: Iterable[int] = ()) -> int:
+        """``router.max_prompt_chars``, else 16 characters per token of :meth:`model_len_for`."""
+        return self.router.max_prompt_chars or 16 * self.model_len_for(reported)
 
     @classmethod
     def load(cls, path: str | Path | None) -> "AppConfig":

@@ -46,9 +46,8 @@ class Limits:
         a longer prompt with its own 400), else ``replicas.max_model_len``."""
         r = cfg.router
         reported = [ep.max_model_len for ep in endpoints if getattr(ep, "max_model_len", None)]
-        length = r.max_model_len or min(reported, default=cfg.replicas.max_model_len)
-        chars = r.max_prompt_chars or 16 * length
-        return cls(length, chars, r.max_n, r.max_score_responses, r.max_key_chars)
+        return cls(cfg.model_len_for(reported), cfg.prompt_chars_for(reported), r.max_n, r.max_score_responses,
+                   r.max_key_chars)
 
 
 @lru_cache(maxsize=1)
