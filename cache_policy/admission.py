@@ -282,7 +282,7 @@ class AdmissionQueue:
                 joined[id(req)] = req.joined()
             groups.add((req.group_id, rid))
             extra_blocks[rid] += joined[id(req)].new_blocks if joins else req.new_blocks
-            extra_in_flight[rid] += 1
+            extra_in_flight[rid] += req.requests  # engine requests: a fan-out or n samples count each
         self._store.remove(taken, served=True)
         taken = [joined.get(id(r), r) for r in taken]
         for req in taken:

@@ -62,8 +62,8 @@ class RequestSpec:
 
     ``token_ids``: the prompt (a scoring request's context); ``new_tokens``: tokens it may
     generate over all its samples (admission reserves prompt + these); ``fan_out``: engine
-    requests sent at once (a scoring fan-out's K responses), counted in load, pins and
-    admission alike; ``ends_session``: the client's last turn of ``session_id``.
+    requests sent at once (a scoring fan-out's K responses, a completion's ``n`` samples, which
+    vLLM runs as ``n`` child requests), counted in load, pins and the in-flight cap alike; ``ends_session``: the client's last turn of ``session_id``.
     """
 
     token_ids: tuple[int, ...] | list[int]

@@ -30,6 +30,17 @@ def new_tokens(body: dict[str, Any], default_max_tokens: int) -> int:
     return int(limit) * int(n) if isinstance(limit, int) and isinstance(n, int) else 0
 
 
+def samples(body: dict[str, Any]) -> int:
+    """Engine requests one completion runs: its ``n`` (``router.parse`` checked it is a positive int
+    at most ``router.max_n``). vLLM's V1 engine splits a request with ``n`` into ``n`` child
+    requests sharing the prompt's blocks (``vllm/v1/engine/parallel_sampling.py``), each decoding
+    and holding its own output blocks, so load, pins and the in-flight cap count ``n`` (as a
+    scoring fan-out counts K); the admission footprint counts the prompt once and every sample's
+    output (:func:`new_tokens`)."""
+    n = body.get("n")
+    return n if isinstance(n, int) and n > 1 else 1
+
+
 def upstream_body(parsed: ParsedRequest, token_ids: list[int], job: Job, model: str) -> dict[str, Any]:
     """The body sent to the replica: routing fields removed, token IDs and the cache salt set."""
     body = dict(parsed.body)
@@ -49,7 +60,7 @@ async def forward(client: web.Request, parsed: ParsedRequest, token_ids: list[in
     expose = getattr(cfg, "expose_expected_cached_tokens", True)
     spec = RequestSpec(token_ids, parsed.keys.session_id, parsed.keys.group_id, parsed.keys.weight_version,
                        parsed.keys.tenant, "generate", new_tokens(parsed.body, cfg.admission_default_max_tokens),
-                       ends_session=parsed.keys.end_session)
+                       fan_out=samples(parsed.body), ends_session=parsed.keys.end_session)
 
     async def attempt(job: Job, endpoint: ReplicaEndpoint) -> web.StreamResponse:
         body = upstream_body(parsed, token_ids, job, endpoint.model)

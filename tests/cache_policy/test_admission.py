@@ -169,6 +169,20 @@ def test_pop_admissible_respects_capacity_and_order() -> None:
     q.check_integrity()
 
 
+def test_pop_admissible_counts_each_engine_request_of_a_fan_out_against_the_in_flight_cap() -> None:
+    # capacity unknown (no block count): the in-flight cap decides. x stands for 3 engine requests
+    # (n = 3 samples or a K = 3 fan-out); with 1 already in flight and a cap of 4, y no longer fits
+    # in the same pass: 1 + 3 = 4 engine requests are in flight once x runs
+    q = AdmissionQueue(PolicyConfig(max_in_flight_per_replica=4))
+    full = view("a", in_flight=4, num_gpu_blocks=0)
+    q.admit(AdmissionRequest(A, 1, "new", None, 0.0, "x", requests=3), full, 0)
+    q.admit(AdmissionRequest(A, 1, "new", None, 0.0, "y"), full, 0)
+    popped = q.pop_admissible([view("a", in_flight=1, num_gpu_blocks=0)], {}, now=1.0)
+    assert [r.request_id for r in popped] == ["x"]
+    assert [r.request_id for r in q.waiting()] == ["y"]
+    assert [r.request_id for r in q.pop_admissible([view("a", in_flight=3, num_gpu_blocks=0)], {}, now=2.0)] == ["y"]
+
+
 def test_pop_admissible_round_robin_over_sessions() -> None:
     q = AdmissionQueue(PolicyConfig())
     for name, sid in [("s1a", "s1"), ("s1b", "s1"), ("s1c", "s1"), ("s2a", "s2")]:

@@ -64,6 +64,37 @@ async def test_a_request_with_n_samples_counts_its_prompt_once_as_vllms_usage_do
     assert moved == (200, payload["rollout_router"]["expected_cached_tokens"], cached) == (200, cached, cached)
 
 
+async def test_a_completion_with_n_samples_loads_its_replica_as_n_engine_requests(router, replica_set):
+    # vLLM runs n child requests for one completion with n; counted as one, a keyless request
+    # sharing its prefix followed the prefix onto the busy replica and waited there while the
+    # other replica idled (a fresh user's report). Counted as n, the balance guard sends it on.
+    import aiohttp
+
+    prompt = unique_prompt(5, 300)
+    body = {"prompt": prompt, "max_tokens": 3000, "ignore_eos": True, "stream": True, "n": 8}
+    core = router.app[keys.CORE]
+    async with aiohttp.ClientSession() as own:
+        resp = await own.post(router.url + "/v1/completions", json=body)
+        assert resp.status == 200
+        rid = resp.headers["X-Rollout-Replica"]
+        base = next(ep.base_url for ep in replica_set.endpoints if ep.replica_id == rid)
+        await resp.content.readany()
+        for _ in range(100):  # the engine's own count, read independently of the router
+            running = (await fetch_metrics(router.http, base)).num_running
+            if running == 8:
+                break
+            await asyncio.sleep(0.05)
+        assert running == 8 and core.in_flight(rid) == 8
+        payload, other = await _complete(router, prompt)
+        assert other != rid and payload["rollout_router"]["route_reason"] == "balance", payload["rollout_router"]
+        resp.close()
+    for _ in range(50):
+        if core.in_flight(rid) == 0:
+            break
+        await asyncio.sleep(0.1)
+    assert core.in_flight(rid) == 0
+
+
 async def test_session_turns_stay_on_one_replica_with_growing_hits(router):
     prompt = unique_prompt(2, 600)
     served, cached = [], []
