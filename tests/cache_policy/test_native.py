@@ -1,0 +1,112 @@
+"""The C extension (``cache_policy._native``) against the Python code it accelerates.
+
+Generated inputs, valid and not: the hashes, bounds and errors are the same with the extension
+and without it (``NATIVE`` set to None is the pure-Python path a machine without a compiler runs).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import cache_policy.hashing as hashing
+import router.token_ids as token_ids
+from cache_policy.hashing import BlockHasher, _hash_chain, _pack_tokens, block_hashes, chained_block_hashes
+from cache_policy.native import NATIVE
+
+@contextmanager
+def without_native(module):
+    """``module`` on its pure-Python path (``NATIVE`` None) inside the block."""
+    saved, module.NATIVE = module.NATIVE, None
+    try:
+        yield
+    finally:
+        module.NATIVE = saved
+
+
+U32 = st.integers(0, 2**32 - 1)
+U64 = st.integers(0, 2**64 - 1)
+ODD = st.one_of(st.integers(-2**70, -1), st.integers(2**32, 2**70), st.booleans(),
+                st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=2), st.none())
+
+
+def test_the_extension_is_built():
+    # scripts/setup.sh builds it; CI must run the native path, not silently the fallback
+    assert NATIVE is not None, "cache_policy._native is not built: run scripts/setup.sh"
+
+
+@settings(max_examples=400, deadline=None)
+@given(ids=st.lists(U32, max_size=200), block_size=st.integers(1, 20), parent=U64, seed=U64,
+       salt=st.one_of(st.just(b""), st.binary(min_size=1, max_size=40)))
+def test_hash_chain_is_the_python_chain(ids, block_size, parent, seed, salt):
+    want = _hash_chain(_pack_tokens(ids), block_size, parent, salt, seed)
+    assert NATIVE.hash_chain(ids, block_size, parent, salt, seed) == want
+    assert NATIVE.hash_chain(tuple(ids), block_size, parent, salt, seed) == want
+    assert len(want) == len(ids) // block_size
+
+
+@settings(max_examples=300, deadline=None)
+@given(ids=st.lists(st.one_of(U32, ODD), min_size=1, max_size=40), block_size=st.integers(1, 8),
+       salt=st.one_of(st.none(), st.text(min_size=1, max_size=5)))
+def test_block_hashes_answer_and_error_are_the_same_without_the_extension(ids, block_size, salt):
+    def run():
+        try:
+            return block_hashes(ids, block_size, salt)
+        except (ValueError, TypeError) as exc:
+            return type(exc), str(exc)
+
+    with_native = run()
+    with without_native(hashing):
+        assert run() == with_native
+
+
+def test_ids_the_extension_declines_go_to_the_python_reference():
+    # bool and numpy ints are ints to struct.pack (the reference) but not plain ints: None, then Python
+    assert NATIVE.hash_chain([1, True, 3, 4], 2, 0, b"", 0) is None
+    assert block_hashes([1, True, 3, 4], 2) == block_hashes([1, 1, 3, 4], 2)
+    assert block_hashes(list(np.arange(8, dtype=np.int64)), 4) == block_hashes(list(range(8)), 4)
+    for bad in (-1, 2**32, 2**100):
+        assert NATIVE.hash_chain([5, 6, bad], 2, 0, b"", 0) is None  # the partial tail is checked too
+        with pytest.raises(ValueError, match="token_ids must be integers"):
+            block_hashes([5, 6, bad], 2)
+    with pytest.raises(ValueError, match="block_size"):
+        NATIVE.hash_chain([1], 0, 0, b"", 0)
+    with pytest.raises(TypeError):
+        NATIVE.hash_chain(iter([1, 2]), 1, 0, b"", 0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(head=st.lists(U32, max_size=50), tail=st.lists(U32, max_size=50), block_size=st.integers(1, 9))
+def test_a_chain_continued_from_a_parent_and_the_incremental_hasher_agree(head, tail, block_size):
+    whole = block_hashes(head + tail, block_size)
+    cut = len(head) // block_size * block_size
+    first = block_hashes(head[:cut], block_size)
+    assert first + chained_block_hashes(first[-1] if first else None, head[cut:] + tail, block_size) == whole
+    hasher = BlockHasher(block_size)
+    hasher.extend(head)
+    hasher.extend(tail)
+    assert list(hasher.hashes) == whole
+
+
+@settings(max_examples=400, deadline=None)
+@given(ids=st.lists(st.one_of(st.integers(-2**63, 2**63 - 1), ODD), max_size=30))
+def test_int_bounds_is_min_max_of_plain_ints_or_none(ids):
+    plain = bool(ids) and all(type(t) is int and -2**63 <= t < 2**63 for t in ids)
+    assert NATIVE.int_bounds(ids) == ((min(ids), max(ids)) if plain else None)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ids=st.lists(st.one_of(st.integers(-2**40, 2**40), ODD), min_size=1, max_size=30))
+def test_the_routers_id_checks_are_the_same_without_the_extension(ids):
+    def run():
+        ints = token_ids.all_ints(ids)
+        return ints, token_ids.min_max(ids) if ints else None
+
+    with_native = run()
+    with without_native(token_ids):
+        assert run() == with_native
+    assert with_native[0] == all(type(t) is int for t in ids)
