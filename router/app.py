@@ -28,6 +28,7 @@ from router.shutdown import SHUTDOWN
 from router.state import make_state
 from router.state.sync import state_sync_ctx
 from router.tokenize import PromptTokenizer
+from router.upstream import ReplicaClient
 
 
 log = logging.getLogger(__name__)
@@ -85,10 +86,12 @@ async def _http_session(app: web.Application) -> AsyncIterator[None]:
     connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=3)
     state = make_state(cfg.router.state, cfg.router.redis_url, cfg.router)
     # PROCESS_KEYS: each replica's key on every call to it (replicas.auth; replicas refuse calls without it)
+    # non-streamed completions and scoring rows: the lean client, on the same timeouts
+    upstream = ReplicaClient(timeout_s=cfg.router.request_timeout_s, connect_timeout_s=5, idle_s=3)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector, middlewares=(PROCESS_KEYS,)) as http:
         app[keys.HTTP] = http
         app[keys.LIFECYCLE] = Lifecycle(cfg.router, app[keys.CORE], app[keys.POOL], app[keys.METRICS], http,
-                                        shared=state)
+                                        shared=state, upstream=upstream)
         app[keys.WEIGHT_UPDATER] = admin.make_updater(cfg, app[keys.LIFECYCLE])
         if SHUTDOWN in app:  # a stopping router answers queued requests 503 + Retry-After at once
             app[SHUTDOWN].on_drain.append(app[keys.LIFECYCLE].refuse_queued)
@@ -97,6 +100,7 @@ async def _http_session(app: web.Application) -> AsyncIterator[None]:
         finally:
             await app[keys.WEIGHT_UPDATER].close()  # an update in progress ends (or rolls back) first
             await state.close()
+            await upstream.close()
 
 
 def endpoints_of(app: web.Application) -> list[ReplicaEndpoint]:

@@ -72,7 +72,7 @@ async def forward(client: web.Request, parsed: ParsedRequest, token_ids: list[in
                 tokens=flight.tokens))
             resp = await relay_stream(client, life.http, url, body, route_headers(job, expose_cached=expose), watch)
         else:
-            resp = await post_json(life.http, url, body)
+            resp = await post_json(life.upstream, url, body)
             life.check_versions(job)  # a non-streamed answer is never mixed: run it again
         cached = None
         if isinstance(resp, UpstreamResult) and resp.status >= 500:  # nothing reached the client yet

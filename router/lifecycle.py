@@ -37,7 +37,7 @@ from router.config import RouterConfig
 from router.errors import NoReplica, Overloaded, RouterError, UpstreamError
 from router.metrics import RouterMetrics
 from router.pool import ReplicaPool
-from router.proxy import ReplicaUnreachable
+from router.upstream import ReplicaClient, ReplicaUnreachable
 from router.weights.report import first_span
 
 log = logging.getLogger(__name__)
@@ -92,12 +92,15 @@ class Lifecycle:
 
     def __init__(self, cfg: RouterConfig, core: DecisionCore, pool: ReplicaPool, metrics: RouterMetrics,
                  http: aiohttp.ClientSession, *, clock: Callable[[], float] = time.monotonic,
-                 shared: Any = None) -> None:
+                 shared: Any = None, upstream: ReplicaClient | None = None) -> None:
         self.cfg = cfg
         self.core = core
         self.pool = pool
         self.metrics = metrics
         self.http = http
+        """Streams and everything else to replicas (aiohttp)."""
+        self.upstream = upstream or ReplicaClient(timeout_s=cfg.request_timeout_s)
+        """Non-streamed completions and scoring rows (``router.upstream``: the lean client)."""
         self.clock = clock
         self.shared = shared
         self.queue_timeout_s = core.cfg.queue_timeout_s

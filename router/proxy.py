@@ -1,4 +1,4 @@
-"""Forwarding one request to one replica: JSON or a relayed event stream.
+"""Forwarding one request to one replica: JSON (``router.upstream``) or a relayed event stream.
 
 A replica that cannot be reached raises `ReplicaUnreachable` (nothing reached the client, so
 the caller may retry elsewhere). A client that disconnects cancels the handler; leaving the
@@ -23,19 +23,10 @@ from yarl import URL
 
 from replicas.auth import PROCESS_KEYS, bearer
 from router.errors import UpstreamError, error_body
+from router.upstream import ReplicaClient, ReplicaUnreachable
 from router.weights.stream import relay_events
 
 log = logging.getLogger(__name__)
-
-
-class ReplicaUnreachable(Exception):
-    """Connecting or talking to the replica failed before any byte reached the client.
-
-    ``refused``: nobody listens at its address (connection refused): it is down, not flaky."""
-
-    def __init__(self, message: str, *, refused: bool = False) -> None:
-        super().__init__(message)
-        self.refused = refused
 
 
 FAILED = web.ResponseKey("rollout_failed", bool)
@@ -108,15 +99,14 @@ class UpstreamResult:
     values. False when only ``json`` could (``NaN``, ``Infinity``), which ``json.dumps`` keeps."""
 
 
-async def post_json(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> UpstreamResult:
-    """POST ``body`` and read the whole answer. Raises ReplicaUnreachable / UpstreamError."""
+async def post_json(client: ReplicaClient, url: str, body: dict[str, Any]) -> UpstreamResult:
+    """POST ``body`` and read the whole answer (``router.upstream``: pooled connections, one
+    more try on a fresh one when a kept-alive connection was closed). Raises ReplicaUnreachable
+    (``refused`` when nobody listens; never a partial answer) or UpstreamError (timed out)."""
+    _, origin_name = _target(url)
     try:
-        async with await _send(http, url, body) as up:
-            raw = await up.read()
-            status = up.status
-    except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:  # died mid-answer
-        raise ReplicaUnreachable(f"{url}: {exc!r}") from exc
-    except asyncio.TimeoutError as exc:
+        status, raw = await client.post(url, encode_body(body), _headers(PROCESS_KEYS.key(origin_name)))
+    except TimeoutError as exc:
         raise UpstreamError(f"replica timed out on {url}") from exc
     return upstream_result(status, raw)
 

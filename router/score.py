@@ -43,6 +43,7 @@ from router.lifecycle import RetryElsewhere
 from router.intake import read_score
 from router.parse import ScoreRequest, parse_score
 from router.proxy import post_json
+from router.upstream import ReplicaClient
 from router.responses import annotation, route_headers, send_now
 
 __all__ = ["ScoreRequest", "parse_score", "score"]  # parse_score lives in router.parse since the typed schemas
@@ -75,7 +76,7 @@ def _rows(payload: dict[str, Any], context_len: int, response: list[int], top: i
     return out
 
 
-async def _score_one(http, endpoint: ReplicaEndpoint, job: Job, req: ScoreRequest, context: list[int],
+async def _score_one(client: ReplicaClient, endpoint: ReplicaEndpoint, job: Job, req: ScoreRequest, context: list[int],
                      cap: ScoringCap, response: list[int]) -> dict[str, Any]:
     body: dict[str, Any] = {"model": req.model or endpoint.model, "prompt": context + response,
                             "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": req.top_logprobs}
@@ -84,7 +85,7 @@ async def _score_one(http, endpoint: ReplicaEndpoint, job: Job, req: ScoreReques
         body["vllm_xargs"][SCORE_START_KEY] = cap.start
     if job.salt is not None:
         body["cache_salt"] = job.salt
-    result = await post_json(http, endpoint.base_url + "/v1/completions", body)
+    result = await post_json(client, endpoint.base_url + "/v1/completions", body)
     if 400 <= result.status < 500:
         raise _replica_rejection(result)
     if result.status != 200 or not isinstance(result.payload, dict):
@@ -130,7 +131,7 @@ async def score(request: web.Request) -> web.Response:
     expose = getattr(app[keys.CONFIG].router, "expose_expected_cached_tokens", True)
 
     async def attempt(job: Job, endpoint: ReplicaEndpoint) -> web.Response:
-        rows = await _gather_or_cancel(_score_one(life.http, endpoint, job, req, context, cap, r)
+        rows = await _gather_or_cancel(_score_one(life.upstream, endpoint, job, req, context, cap, r)
                                        for cap, r in zip(caps, req.responses))
         life.check_versions(job)  # every row from one version's weights over its own KV, or run it again
         flight = life.flight(job)

@@ -79,12 +79,13 @@ async def test_a_completion_with_n_samples_loads_its_replica_as_n_engine_request
         rid = resp.headers["X-Rollout-Replica"]
         base = next(ep.base_url for ep in replica_set.endpoints if ep.replica_id == rid)
         await resp.content.readany()
-        for _ in range(100):  # the engine's own count, read independently of the router
-            running = (await fetch_metrics(router.http, base)).num_running
-            if running == 8:
+        seen = []
+        for _ in range(300):  # the engine's own count, read independently of the router (<= 30 s)
+            seen.append((await fetch_metrics(router.http, base)).num_running)
+            if seen[-1] == 8:
                 break
-            await asyncio.sleep(0.05)
-        assert running == 8 and core.in_flight(rid) == 8
+            await asyncio.sleep(0.1)
+        assert seen[-1] == 8 and core.in_flight(rid) == 8, (seen[-10:], core.in_flight(rid))
         payload, other = await _complete(router, prompt)
         assert other != rid and payload["rollout_router"]["route_reason"] == "balance", payload["rollout_router"]
         resp.close()
