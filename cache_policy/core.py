@@ -49,8 +49,9 @@ Outcome = Literal["ok", "refused", "down", "unreachable", "retry", "preempted", 
 ``down`` (connection refused: the replica is marked unhealthy at once, the job may be placed
 again); ``unreachable`` (the connection failed, also on a fresh one: one more consecutive
 failure of the replica, which leaves rotation at ``failures_out_of_rotation``; the job may be
-placed again); ``retry`` (the replica failed it before anything reached the client, e.g. a scoring
-row missing: the job may be placed again, the replica stays); ``preempted`` (a weight update
+placed again); ``retry`` (the replica answered 5xx or failed it before anything reached the client,
+e.g. a scoring row missing: the job may be placed again, the replica stays; the failure counts
+against it only once the job succeeds elsewhere, see ``Job.suspects``); ``preempted`` (a weight update
 took the job back before anything reached the client, or its replica's version changed while
 it ran: placed again, on the same replica too, no failure counted); ``cancelled`` (the client
 went away); ``failed`` (any other error after dispatch)."""
@@ -128,6 +129,11 @@ class Job:
     weight_version: int | None = None
     version_mark: int = 0
     tried: list[ReplicaId] = field(default_factory=list)
+    suspects: list[ReplicaId] = field(default_factory=list)
+    """Replicas that answered it with an error (``retry``): a failure of each is counted only if
+    it then succeeds on another one. A request every replica fails (vLLM answered HTTP 500 to
+    ``top_k: 1e30``) is the request's fault: counted, three of them took a whole fleet out of
+    rotation (a fresh user's report)."""
     admission: Admission | None = None
     queued: AdmissionRequest | None = None
     undo_pins: dict[str, ReplicaId | None] = field(default_factory=dict)
@@ -473,13 +479,19 @@ class DecisionCore:
                                         prefilled=outcome not in ("refused", "down", "unreachable"))
             if outcome in ("refused", "down", "unreachable") or (outcome == "cancelled" and job.ticket is None):
                 self._undo(job)
-            self._count_failure(rid, outcome)
+            if outcome == "retry":
+                job.suspects.append(rid)
+            else:
+                self._count_failure(rid, outcome)
         if outcome in ("down", "unreachable", "retry", "preempted") and rid is not None:
             if outcome != "preempted":
                 job.tried.append(rid)
             job.decision, job.admission = None, None
             return
         job.done = True
+        if outcome == "ok":  # it ran elsewhere: those that failed it are to blame
+            for suspect in job.suspects:
+                self._count_failure(suspect, "retry")
         if outcome == "ok" and job.spec.ends_session and job.spec.session_id is not None:
             self.end_session(job.spec.session_id)
         elif job.spec.session_id is not None:  # its session ended while it ran: forget it now

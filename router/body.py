@@ -7,6 +7,9 @@ vLLM refuses them) and numbers past a float's range (``1e400``, which ``json`` r
 nesting deeper than :data:`MAX_JSON_DEPTH` (``json.loads`` hits ``RecursionError`` near 1,000
 levels and re-encoding the body for the replica near the same depth), and strings holding a lone UTF-16
 surrogate such as ``"\\ud800"`` (valid JSON, but no tokenizer or UTF-8 encoder accepts it).
+An integer outside the signed 64-bit range anywhere in the body is a 400 naming its field too:
+no engine field takes one, and vLLM answers some with HTTP 500 (``top_k`` of 10**30), which the
+router would have retried on every replica.
 
 Bodies are decoded by ``msgspec`` (about 3x faster than ``json`` on a token-ID prompt); whatever
 it refuses (``NaN``, a UTF-8 BOM, an out-of-range number, too deep, a lone surrogate, malformed
@@ -23,6 +26,7 @@ from typing import Any
 import msgspec
 
 from router.errors import BadRequest, echo
+from router.token_ids import all_ints, min_max
 
 MAX_JSON_DEPTH = 32
 """Deepest nesting of objects and lists a body may have (an OpenAI chat body needs about 6)."""
@@ -60,7 +64,34 @@ def load_json_object(raw: bytes) -> dict[str, Any]:
         raise BadRequest("request body must be a JSON object", param="body")
     if huge or _may_be_unsafe(raw):
         check_tree(body)
+    check_int64(body)
     return body
+
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def check_int64(body: Any) -> None:
+    """BadRequest naming the first field holding an integer outside ``[-2**63, 2**63)`` (an int
+    in a list names the list, as a bad token ID names ``prompt``). A list of plain ints (a
+    prompt's thousands of token IDs) is bounded in one C pass (``router.token_ids``), not walked."""
+    stack: list[tuple[Any, str]] = [(body, "")]
+    while stack:
+        value, path = stack.pop()
+        if type(value) is int:
+            if not INT64_MIN <= value <= INT64_MAX:
+                raise BadRequest(f"'{path or 'body'}' holds {echo(value)}, outside the signed 64-bit range; "
+                                 "no engine field takes such a number", param=path or "body")
+        elif isinstance(value, list):
+            if value and all_ints(value):
+                lo, hi = min_max(value)
+                if INT64_MIN <= lo and hi <= INT64_MAX:
+                    continue
+            stack.extend((item, path if type(item) is int else f"{path}[{i}]") for i, item in enumerate(value)
+                         if isinstance(item, (int, list, dict)))
+        elif isinstance(value, dict):
+            stack.extend((item, f"{path}.{key}" if path else str(key)) for key, item in value.items()
+                         if isinstance(item, (int, list, dict)))
 
 
 _FAST = msgspec.json.Decoder()

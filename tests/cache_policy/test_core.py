@@ -197,6 +197,30 @@ def test_one_dropped_connection_moves_the_job_but_not_the_replica_out_of_rotatio
     assert core.replicas[flaky].failures == 0
 
 
+def test_an_error_answer_counts_against_a_replica_only_if_the_request_then_succeeds_elsewhere():
+    # a request every replica answers 5xx (vLLM's 500 to top_k 1e30) is the request's fault: three
+    # of them took the whole fleet out of rotation; one that then succeeds elsewhere blames the first
+    core = fleet(failures_out_of_rotation=3)
+    for i in range(5):
+        job, _ = run(core, RequestSpec(list(range(100 * i, 100 * i + 40))), 0.0)
+        while job.replica_id is not None:
+            core.finish(job, "retry", 0.0)  # every replica answers it HTTP 500
+            if core.place(job, 0.0) is None:
+                break
+            core.admit(job, 0.0)
+        assert sorted(job.tried) == sorted(R)
+        core.finish(job, "failed", 0.0)  # retries exhausted: the client gets the error
+    assert all(rec.healthy and rec.failures == 0 for rec in core.replicas.values())
+    job, _ = run(core, RequestSpec(list(range(9000, 9040))), 1.0)
+    bad = job.replica_id
+    core.finish(job, "retry", 1.0)
+    assert core.replicas[bad].failures == 0  # not yet: it may be the request
+    core.place(job, 1.0)
+    core.admit(job, 1.0)
+    core.finish(job, "ok", 1.0)
+    assert core.replicas[bad].failures == 1 and core.replicas[job.replica_id].failures == 0
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_a_thousand_mixed_requests_keep_every_invariant(seed):
     """Sessions, groups, scoring fan-outs, a weight update and a replica leaving, on a fake clock;

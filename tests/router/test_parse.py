@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from router.errors import BadRequest
 from router.parse import load_json_object, parse_chat, parse_completion
@@ -170,3 +174,30 @@ def test_echo_cuts_long_input_with_an_ellipsis():
 
     assert echo("short") == "short" and echo(12) == "12"
     assert echo("x" * 101) == "x" * 100 + "..." and echo(int("7" * 4000)) == "7" * 100 + "..."
+
+
+_FIELD = st.from_regex(r"[a-z_]{1,8}", fullmatch=True)
+_OUTSIDE = st.one_of(st.integers(max_value=-(2**63) - 1), st.integers(min_value=2**63))
+
+
+@settings(max_examples=200, deadline=None)
+@given(field=_FIELD, value=_OUTSIDE, nest=st.integers(0, 3), prompt=st.lists(st.integers(0, 2**32 - 1), max_size=50))
+def test_an_integer_outside_64_bits_anywhere_is_a_400_naming_its_field(field, value, nest, prompt):
+    # vLLM answered HTTP 500 to top_k of 10**30, and the router retried it on every replica
+    path, inner = field, value
+    for depth in range(nest):  # wrap it: a dict, a list of ints, a list of dicts
+        kind = depth % 3
+        inner = {"k": inner} if kind == 0 else [1, inner] if kind == 1 else [{"x": 1}, inner]
+    body = {"prompt": prompt, field: inner}
+    for depth in reversed(range(nest)):  # an int in a list names the list; a container in one, its index
+        path += ".k" if depth % 3 == 0 else "" if depth == 0 else "[1]"
+    with pytest.raises(BadRequest) as err:
+        load_json_object(json.dumps(body).encode())
+    assert err.value.status == 400 and err.value.param == path, (body, err.value.param)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ints=st.lists(st.integers(-(2**63), 2**63 - 1), min_size=1, max_size=20), field=_FIELD)
+def test_integers_within_64_bits_pass(ints, field):
+    body = {"prompt": ints, field: {"n": ints[0], "l": ints}}
+    assert load_json_object(json.dumps(body).encode()) == body

@@ -189,6 +189,7 @@ async def test_keyless_requests_spread_over_both_replicas(router, replica_set):
     ({"prompt": "hi", "weight_version": 1.5}, "weight_version"),
     ({"prompt": [9, 10, 99999999999999999999999]}, "prompt"),
     ({"prompt": [9, 10, 1130]}, "prompt"),  # the tiny model's vocabulary is [0, 1130)
+    ({"prompt": [9, 10], "top_k": 10**30}, "top_k"),  # vLLM answered it HTTP 500 (a fresh user's report)
 ])
 async def test_malformed_completion_is_400_naming_the_field(router, body, param):
     async with router.http.post(router.url + "/v1/completions", json=body) as r:
