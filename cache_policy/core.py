@@ -173,6 +173,7 @@ class DecisionCore:
         self.replicas: dict[ReplicaId, ReplicaRecord] = {}
         self._jobs: dict[str, Job] = {}
         self._outbox: list[tuple[Job, Admission]] = []
+        self._taken_out: list[tuple[ReplicaId, Outcome, int]] = []
         self._next_id = 0
         self._swept_at = float("-inf")
         self._views: dict[ReplicaId, tuple[tuple, ReplicaView]] = {}
@@ -579,8 +580,16 @@ class DecisionCore:
             rec.failures = 0
         elif outcome in ("down", "unreachable", "retry", "failed"):
             rec.failures += 1
-            if outcome == "down" or rec.failures >= self.cfg.failures_out_of_rotation:
+            if rec.healthy and (outcome == "down" or rec.failures >= self.cfg.failures_out_of_rotation):
                 self.set_health(rid, False)
+                self._taken_out.append((rid, outcome, rec.failures))
+
+    def taken_out(self) -> list[tuple[ReplicaId, Outcome, int]]:
+        """Replicas this core took out of rotation for failed dispatches since the last call:
+        ``(replica, last outcome, failures in a row)``, for the router to log and count (a scrape
+        that reaches the replica puts it back)."""
+        out, self._taken_out = self._taken_out, []
+        return out
 
     def refuse_queued(self, reason: str, now: float) -> None:
         """Refuse every queued job (``reject`` with ``reason``, e.g. the router is shutting down);

@@ -307,6 +307,10 @@ class Lifecycle:
     def _after_finish(self, rid) -> None:
         if rid is not None:
             self.metrics.in_flight.labels(rid).set(self.core.in_flight(rid))
+        for out, outcome, failures in self.core.taken_out():
+            log.warning("replica %s out of rotation: %d failed request(s) in a row (last: %s); a scrape that "
+                        "reaches it puts it back", out, failures, outcome)
+            self.metrics.healthy.labels(out).set(0)
         self.pump()
 
     # -- rotation --------------------------------------------------------------------------------

@@ -219,6 +219,18 @@ def test_an_error_answer_counts_against_a_replica_only_if_the_request_then_succe
     core.admit(job, 1.0)
     core.finish(job, "ok", 1.0)
     assert core.replicas[bad].failures == 1 and core.replicas[job.replica_id].failures == 0
+    assert core.taken_out() == []
+    for i in range(2):  # two more, each succeeding elsewhere: out of rotation, reported once
+        job = core.open(RequestSpec(list(range(9100 + 100 * i, 9140 + 100 * i))), 2.0)
+        job.tried = [r for r in R if r != bad]
+        core.place(job, 2.0)
+        core.admit(job, 2.0)
+        core.finish(job, "retry", 2.0)
+        job.tried = []
+        core.place(job, 2.0, only=next(r for r in R if r != bad))
+        core.admit(job, 2.0)
+        core.finish(job, "ok", 2.0)
+    assert not core.replicas[bad].healthy and core.taken_out() == [(bad, "retry", 3)] and core.taken_out() == []
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
