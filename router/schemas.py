@@ -176,6 +176,11 @@ def openapi_document() -> dict[str, Any]:
     for path, summary in (("/v1/models", "The served model"), ("/health", "Replica health"),
                           ("/metrics", "Prometheus metrics"), ("/openapi.json", "This document")):
         paths[path] = {"get": {"summary": summary, "responses": {"200": {"description": "OK"}}}}
+    paths["/v1/sessions/{session_id}"] = {"delete": {
+        "summary": "End a session: its pin and parked prefix are released at once",
+        "parameters": [{"name": "session_id", "in": "path", "required": True, "schema": {"type": "string"}}],
+        "responses": {"200": {"description": "`{\"session_id\", \"ended\"}`: ended is false for an unknown "
+                                             "or already ended session"}, "400": error, "401": error}}}
     return {"openapi": "3.1.0", "info": {"title": "rollout-router", "version": package_version()},
             "paths": paths, "components": {"schemas": schemas}}
 

@@ -267,11 +267,14 @@ async def test_oversized_header_is_a_4xx():
 
 
 async def test_openapi_document_lists_every_endpoint_with_its_schema():
-    async with fake_replica() as replica, edge_router(replica) as (url, _):
+    async with fake_replica() as replica, edge_router(replica) as (url, app):
         import aiohttp
 
         async with aiohttp.ClientSession() as http, http.get(url + "/openapi.json") as r:
             doc = await r.json()
+        served = {(route.resource.canonical, route.method.lower()) for route in app.router.routes()
+                  if not route.resource.canonical.startswith("/admin/") and route.method != "HEAD"}
+        assert {(path, method) for path, ops in doc["paths"].items() for method in ops} == served
         assert {"/v1/completions", "/v1/chat/completions", "/v1/score", "/v1/models", "/health"} <= set(doc["paths"])
         schemas = doc["components"]["schemas"]
         assert "prompt" in schemas["CompletionRequest"]["required"]

@@ -174,6 +174,25 @@ async def test_streaming_relays_all_events(router):
     assert chunks[-1]["usage"]["prompt_tokens"] == 50
 
 
+async def test_predicted_and_reported_cached_tokens_count_the_same_requests(router):
+    # a stream without include_usage reports no cached tokens: its prompt counts, its prediction
+    # does not (counted alone, the two counters read as over-prediction to a fresh user)
+    m = router.app[keys.METRICS]
+    prompt = unique_prompt(6, 100)
+    _, rid = await _complete(router, prompt, {"X-Session-Id": "usage-less"})
+
+    def read() -> tuple[float, ...]:
+        return tuple(c.labels(rid)._value.get() for c in (m.prompt_tokens, m.predicted_cached, m.reported_cached))
+
+    before = read()
+    body = {"prompt": prompt + [5, 6], "max_tokens": 3, "ignore_eos": True, "stream": True}
+    async with router.http.post(router.url + "/v1/completions", json=body,
+                                headers={"X-Session-Id": "usage-less"}) as r:
+        assert r.status == 200 and r.headers["X-Rollout-Replica"] == rid
+        await r.read()
+    assert tuple(b - a for a, b in zip(before, read())) == (102, 0, 0)
+
+
 async def test_keyless_requests_spread_over_both_replicas(router, replica_set):
     results = await asyncio.gather(*(_complete(router, unique_prompt(200 + i, 300)) for i in range(8)))
     assert {rid for _, rid in results} == {ep.replica_id for ep in replica_set.endpoints}
