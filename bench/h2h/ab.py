@@ -3,7 +3,8 @@
 A change meant to make the router faster is measured against the commit before it in one run:
 each checkout's ``rollout-router serve`` fronts the same zero-cost simulated replica
 (``bench.h2h.replicas_main --cost zero``), next to the aiohttp pass-through floor
-(``bench.h2h.passthrough``); every prompt (``--tokens`` random token IDs) goes directly and
+(``bench.h2h.passthrough``) and the bare-protocol floor under it (``bench.h2h.bare``: uvloop and
+httptools, no framework); every prompt (``--tokens`` random token IDs) goes directly and
 through each router in turn, rotating which goes first, so the machine's drift hits all alike.
 Prints per router the added latency (p50 and p99 of routed minus direct, ms) and its CPU per
 request (user + system of its process, all threads, ms). A checkout is a folder with this
@@ -72,13 +73,15 @@ async def run(checkouts: list[Path], requests: int, tokens: int, seed: int, warm
         config.write_text(f"replicas:\n  urls: [{urls[0]}]\n")
         procs: dict[str, tuple[subprocess.Popen, str]] = {}
         try:
-            for k, root in enumerate([*checkouts, None]):
+            for k, root in enumerate([*checkouts, "passthrough", "bare"]):
                 port = free_port()
-                name = "aiohttp pass-through" if root is None else f"{k + 1}: {root}"
-                argv = ([sys.executable, "-m", "bench.h2h.passthrough", "--port", str(port), urls[0]] if root is None
+                floor = root in ("passthrough", "bare")
+                name = {"passthrough": "aiohttp pass-through", "bare": "bare uvloop + httptools pass-through"}.get(
+                    root, f"{k + 1}: {root}")
+                argv = ([sys.executable, "-m", f"bench.h2h.{root}", "--port", str(port), urls[0]] if floor
                         else [sys.executable, "-m", "router", "serve", "--config", str(config), "--host", "127.0.0.1",
                               "--port", str(port), "--log-level", "WARNING"])
-                cwd = ROOT if root is None else root
+                cwd = ROOT if floor else root
                 with open(work / f"router-{k}.log", "ab") as log:
                     procs[name] = (subprocess.Popen(argv, cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
                                                     start_new_session=True, env={**os.environ, "PYTHONPATH": str(cwd)}),
@@ -95,7 +98,7 @@ async def run(checkouts: list[Path], requests: int, tokens: int, seed: int, warm
                     if i == 0:
                         cpu0 = {name: cpu_s(proc.pid) for name, (proc, _) in procs.items()}
                         if spy_venv is not None:
-                            spy = profile.start(procs[list(procs)[-2]][0].pid, work, spy_venv)
+                            spy = profile.start(procs[list(procs)[-3]][0].pid, work, spy_venv)
                     ids = rng.integers(VOCAB_LO, VOCAB_HI, tokens).tolist()
                     body = json.dumps({"model": "sim-model", "prompt": ids, "max_tokens": 1}).encode()
                     k = i % len(targets)
