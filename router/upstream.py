@@ -113,9 +113,17 @@ class _Connection(asyncio.Protocol):
         """Write one whole request; the future resolves to ``(status, body)`` (or UpstreamLost)."""
         assert self.waiter is None and self.transport is not None, "bug: a request on a busy connection"
         self.received, self._body = False, []
-        self.waiter = asyncio.get_running_loop().create_future()
-        self.transport.write(data)
-        return self.waiter
+        waiter = asyncio.get_running_loop().create_future()
+        if self.closed or self.transport.is_closing():  # closed by the server since it was pooled
+            waiter.set_exception(UpstreamLost("connection closed before the request", False))
+            return waiter
+        self.waiter = waiter
+        try:
+            self.transport.write(data)
+        except (OSError, RuntimeError) as exc:  # a transport that broke under the write
+            self.waiter = None
+            waiter.set_exception(UpstreamLost(f"write failed ({exc!r})", False))
+        return waiter
 
     def close(self) -> None:
         self.closed = True
