@@ -51,9 +51,13 @@ def attach_fleet(app: web.Application, replica_set) -> None:
 
 
 def on_replica_event(app: web.Application, event: ReplicaEvent) -> None:
-    """Carry one replica event into the pool and the decision core."""
+    """Carry one replica event into the pool and the decision core; log it (a warning when the
+    replica stops serving) and set its ``rollout_router_replica_healthy`` gauge."""
     core, pool, rid = app[keys.CORE], app[keys.POOL], event.replica_id
     kind, endpoint = event.kind, event.endpoint
+    log.log(logging.WARNING if kind in ("unhealthy", "restarting", "removed") else logging.INFO,
+            "replica %s %s%s%s", rid, kind, f" at {endpoint.base_url}" if kind in ("added", "restarted") else "",
+            f": {event.reason}" if event.reason else "")
     if kind in ("added", "restarted"):
         _set_endpoint(pool, endpoint)
         if kind == "added" or rid not in core.replicas:
@@ -72,6 +76,8 @@ def on_replica_event(app: web.Application, event: ReplicaEvent) -> None:
     elif kind == "removed":
         core.remove_replica(rid, 0.0)
         pool.set_endpoints([s.endpoint for s in pool.states() if s.endpoint.replica_id != rid])
+    if keys.METRICS in app:
+        app[keys.METRICS].healthy.labels(rid).set(1 if rid in core.replicas and core.replicas[rid].healthy else 0)
     subscriber = app.get(KV_EVENTS)
     if subscriber is not None:
         sync_watches(subscriber, [s.endpoint for s in pool.states() if s.endpoint.replica_id in core.replicas])

@@ -281,3 +281,23 @@ async def test_openapi_document_lists_every_endpoint_with_its_schema():
         assert schemas["ScoreBody"]["properties"]["top_logprobs"]["maximum"] == 20
         ref = doc["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
         assert ref == {"$ref": "#/components/schemas/ChatRequest"}
+
+
+async def test_a_replica_event_is_logged_and_moves_its_health_gauge(caplog):
+    # a supervisor restart was visible only in /health (a user's report): the router logs each event
+    from replicas.events import ReplicaEvent
+    from router import keys
+    from router.fleet import on_replica_event
+
+    async with fake_replica() as replica, edge_router(replica) as (_, app):
+        rid = next(iter(app[keys.CORE].replicas))
+        endpoint = app[keys.POOL].get(rid).endpoint
+        gauge = app[keys.METRICS].healthy.labels(rid)
+        with caplog.at_level("INFO", logger="router.fleet"):
+            on_replica_event(app, ReplicaEvent("unhealthy", rid, endpoint, reason="3 failed health checks"))
+            assert gauge._value.get() == 0 and not app[keys.CORE].replicas[rid].healthy
+            on_replica_event(app, ReplicaEvent("restarted", rid, endpoint))
+            assert gauge._value.get() == 1 and app[keys.CORE].replicas[rid].healthy
+        lines = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "router.fleet"]
+        assert lines == [("WARNING", f"replica {rid} unhealthy: 3 failed health checks"),
+                         ("INFO", f"replica {rid} restarted at {endpoint.base_url}")]
