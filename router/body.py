@@ -26,7 +26,7 @@ from typing import Any
 import msgspec
 
 from router.errors import BadRequest, echo
-from router.token_ids import all_ints, min_max
+from router.token_ids import int_bounds
 
 MAX_JSON_DEPTH = 32
 """Deepest nesting of objects and lists a body may have (an OpenAI chat body needs about 6)."""
@@ -83,10 +83,9 @@ def check_int64(body: Any) -> None:
                 raise BadRequest(f"'{path or 'body'}' holds {echo(value)}, outside the signed 64-bit range; "
                                  "no engine field takes such a number", param=path or "body")
         elif isinstance(value, list):
-            if value and all_ints(value):
-                lo, hi = min_max(value)
-                if INT64_MIN <= lo and hi <= INT64_MAX:
-                    continue
+            bounds = int_bounds(value)
+            if bounds is not None and INT64_MIN <= bounds[0] and bounds[1] <= INT64_MAX:
+                continue
             stack.extend((item, path if type(item) is int else f"{path}[{i}]") for i, item in enumerate(value)
                          if isinstance(item, (int, list, dict)))
         elif isinstance(value, dict):

@@ -92,14 +92,14 @@ class Lifecycle:
 
     def __init__(self, cfg: RouterConfig, core: DecisionCore, pool: ReplicaPool, metrics: RouterMetrics,
                  http: aiohttp.ClientSession, *, clock: Callable[[], float] = time.monotonic,
-                 shared: Any = None, upstream: ReplicaClient | None = None) -> None:
+                 shared: Any = None, upstream: ReplicaClient) -> None:
         self.cfg = cfg
         self.core = core
         self.pool = pool
         self.metrics = metrics
         self.http = http
         """Streams and everything else to replicas (aiohttp)."""
-        self.upstream = upstream or ReplicaClient(timeout_s=cfg.request_timeout_s)
+        self.upstream = upstream
         """Non-streamed completions and scoring rows (``router.upstream``: the lean client)."""
         self.clock = clock
         self.shared = shared

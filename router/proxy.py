@@ -103,9 +103,8 @@ async def post_json(client: ReplicaClient, url: str, body: dict[str, Any]) -> Up
     """POST ``body`` and read the whole answer (``router.upstream``: pooled connections, one
     more try on a fresh one when a kept-alive connection was closed). Raises ReplicaUnreachable
     (``refused`` when nobody listens; never a partial answer) or UpstreamError (timed out)."""
-    _, origin_name = _target(url)
     try:
-        status, raw = await client.post(url, encode_body(body), _headers(PROCESS_KEYS.key(origin_name)))
+        status, raw = await client.post(url, encode_body(body))
     except TimeoutError as exc:
         raise UpstreamError(f"replica timed out on {url}") from exc
     return upstream_result(status, raw)

@@ -20,6 +20,16 @@ _U32 = next(code for code in "IL" if array(code).itemsize == 4)
 """The ``array`` type code of a native 4-byte unsigned integer."""
 
 
+def int_bounds(value: list[Any]) -> tuple[int, int] | None:
+    """``(min(value), max(value))`` when ``value`` is non-empty and every item is exactly an
+    ``int``; None otherwise (one C pass with ``cache_policy.native``)."""
+    if NATIVE is not None:
+        bounds = NATIVE.int_bounds(value)
+        if bounds is not None:
+            return bounds
+    return min_max(value) if value and all_ints(value) else None
+
+
 def all_ints(value: list[Any]) -> bool:
     """Whether every item of ``value`` is exactly an ``int`` (``bool`` is not), as
     ``all(type(t) is int for t in value)``; True for an empty list."""

@@ -30,10 +30,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Mapping
 
 import httptools
 from yarl import URL
+
+from replicas.auth import PROCESS_KEYS, ReplicaAuth, bearer, origin
 
 log = logging.getLogger(__name__)
 
@@ -147,15 +148,16 @@ def _refused(exc: OSError) -> bool:
 
 @functools.lru_cache(maxsize=1024)
 def _target(url: str) -> tuple[str, int, bytes, str]:
-    """``(host, port, request line and Host header, origin)`` of ``url`` (each replica's few paths, once)."""
+    """``(host, port, request line with the Host and Content-Type headers, origin)`` of ``url``
+    (each replica's few paths, once); ``origin`` as ``replicas.auth`` spells it, its key's name."""
     parsed = URL(url)
     if parsed.scheme != "http" or not parsed.host:
         raise ValueError(f"replica URLs are plain http://host:port/...: got {url!r}")
     port = parsed.port or 80
     host = f"[{parsed.host}]" if ":" in parsed.host else parsed.host
     path = parsed.raw_path_qs or "/"
-    head = f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\n".encode()
-    return parsed.host, port, head, f"http://{parsed.host}:{port}"
+    head = f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n".encode()
+    return parsed.host, port, head, origin(url)
 
 
 class ReplicaClient:
@@ -163,21 +165,26 @@ class ReplicaClient:
 
     ``timeout_s``: a whole request, answer included (``router.request_timeout_s``);
     ``connect_timeout_s``: opening a connection; ``idle_s``: how long a pooled connection may
-    wait for its next request. Event-loop only."""
+    wait for its next request; ``auth``: each replica's key, sent as a bearer token
+    (``replicas.auth``; the process-wide ``PROCESS_KEYS`` by default, as the router's aiohttp
+    session sends them). Event-loop only."""
 
-    def __init__(self, *, timeout_s: float, connect_timeout_s: float = 5.0, idle_s: float = 3.0) -> None:
+    def __init__(self, *, timeout_s: float, connect_timeout_s: float = 5.0, idle_s: float = 3.0,
+                 auth: ReplicaAuth | None = None) -> None:
+        self.auth = PROCESS_KEYS if auth is None else auth
         self.timeout_s = timeout_s
         self.connect_timeout_s = connect_timeout_s
         self.idle_s = idle_s
         self._idle: dict[tuple[str, int], list[_Connection]] = {}
         self._closed = False
 
-    async def post(self, url: str, data: bytes, headers: Mapping[str, str]) -> tuple[int, bytes]:
-        """POST ``data`` to ``url`` with ``headers`` (Content-Type, Authorization, ...);
+    async def post(self, url: str, data: bytes) -> tuple[int, bytes]:
+        """POST the JSON ``data`` to ``url`` (with the replica's key, if it has one);
         ``(status, body)``. Raises ReplicaUnreachable or asyncio.TimeoutError (module docstring)."""
-        host, port, line, _ = _target(url)
-        extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
-        request = line + f"{extra}Content-Length: {len(data)}\r\n\r\n".encode() + data
+        host, port, head, name = _target(url)
+        key = self.auth.key(name)
+        auth = b"" if key is None else "".join(f"{k}: {v}\r\n" for k, v in bearer(key).items()).encode()
+        request = b"%s%sContent-Length: %d\r\n\r\n%s" % (head, auth, len(data), data)
         async with asyncio.timeout(self.timeout_s):
             for attempt in (1, 2):
                 conn = await self._acquire(host, port, url)

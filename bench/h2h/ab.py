@@ -98,7 +98,7 @@ async def run(checkouts: list[Path], requests: int, tokens: int, seed: int, warm
                     if i == 0:
                         cpu0 = {name: cpu_s(proc.pid) for name, (proc, _) in procs.items()}
                         if spy_venv is not None:
-                            spy = profile.start(procs[list(procs)[-3]][0].pid, work, spy_venv)
+                            spy = profile.start(procs[f"{len(checkouts)}: {checkouts[-1]}"][0].pid, work, spy_venv)
                     ids = rng.integers(VOCAB_LO, VOCAB_HI, tokens).tolist()
                     body = json.dumps({"model": "sim-model", "prompt": ids, "max_tokens": 1}).encode()
                     k = i % len(targets)

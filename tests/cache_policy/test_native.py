@@ -110,9 +110,10 @@ def test_int_bounds_is_min_max_of_plain_ints_or_none(ids):
 def test_the_routers_id_checks_are_the_same_without_the_extension(ids):
     def run():
         ints = token_ids.all_ints(ids)
-        return ints, token_ids.min_max(ids) if ints else None
+        return ints, token_ids.min_max(ids) if ints else None, token_ids.int_bounds(ids)
 
     with_native = run()
     with without_native(token_ids):
         assert run() == with_native
     assert with_native[0] == all(type(t) is int for t in ids)
+    assert with_native[2] == ((min(ids), max(ids)) if with_native[0] else None)
