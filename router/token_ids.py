@@ -27,14 +27,17 @@ def int_bounds(value: list[Any]) -> tuple[int, int] | None:
         bounds = NATIVE.int_bounds(value)
         if bounds is not None:
             return bounds
-    return min_max(value) if value and all_ints(value) else None
+    return _min_max(value) if value and _all_ints(value) else None
 
 
 def all_ints(value: list[Any]) -> bool:
     """Whether every item of ``value`` is exactly an ``int`` (``bool`` is not), as
     ``all(type(t) is int for t in value)``; True for an empty list."""
-    if NATIVE is not None and NATIVE.int_bounds(value) is not None:
-        return True
+    return not value or int_bounds(value) is not None
+
+
+def _all_ints(value: list[Any]) -> bool:
+    """:func:`all_ints` without the extension (or past its 64 bits)."""
     try:
         msgspec.convert(value, _INT_LIST)  # strict: bools, floats and strings are refused
         return True
@@ -53,9 +56,12 @@ def as_uint32(ids: list[int]) -> np.ndarray | None:
 
 def min_max(ids: list[int]) -> tuple[int, int]:
     """``(min(ids), max(ids))`` of a non-empty list of plain ints; ValueError when empty."""
-    bounds = NATIVE.int_bounds(ids) if NATIVE is not None else None
-    if bounds is not None:
-        return bounds
+    bounds = int_bounds(ids)
+    return bounds if bounds is not None else (min(ids), max(ids))
+
+
+def _min_max(ids: list[int]) -> tuple[int, int]:
+    """:func:`min_max` of plain ints without the extension: numpy on their uint32 packing."""
     packed = as_uint32(ids)
     if packed is None or not len(packed):
         return min(ids), max(ids)

@@ -210,13 +210,12 @@ class ReplicaClient:
         if self._closed:
             raise ReplicaUnreachable(f"{url}: the router's replica client is closed")
         idle = self._idle.get((host, port))
-        now = asyncio.get_running_loop().time()
+        loop = asyncio.get_running_loop()
         while idle:
             conn = idle.pop()
-            if not conn.closed and now - conn.idle_since < self.idle_s:
+            if self._reusable(conn, loop.time()):
                 return conn
             conn.close()
-        loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self.connect_timeout_s):
                 _, conn = await loop.create_connection(_Connection, host, port)
@@ -236,11 +235,18 @@ class ReplicaClient:
         idle = self._idle.setdefault((host, port), [])
         idle.append(conn)
         if len(idle) > 64:  # after a burst: forget the ones already closed or expired
-            fresh = [c for c in idle if not c.closed and conn.idle_since - c.idle_since < self.idle_s]
+            fresh = []
             for c in idle:
-                if c not in fresh:
+                if self._reusable(c, conn.idle_since):
+                    fresh.append(c)
+                else:
                     c.close()
             idle[:] = fresh
+
+    def _reusable(self, conn: _Connection, now: float) -> bool:
+        """Whether a pooled ``conn`` may take a request at ``now`` (loop time): open, and idle
+        less than ``idle_s``."""
+        return not conn.closed and now - conn.idle_since < self.idle_s
 
     def idle_connections(self) -> int:
         """Pooled connections open now (for tests and metrics)."""
