@@ -85,7 +85,7 @@ class PrefixAffinityPolicy:
             if moved or self.pins.get("group", request.group_id) is None:
                 self.pins.record("group", request.group_id, rid)
             self.pins.started("group", request.group_id, rid, count)
-        self.index.insert(request.block_hashes, rid)
+        self.index.insert(request.block_hashes, rid, defer=True)  # DecisionCore.settle applies it
         self.routed[rid] = self.routed.get(rid, 0) + count
 
     def on_finished(self, request: RequestView, replica_id: ReplicaId) -> None:

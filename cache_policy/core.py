@@ -618,6 +618,15 @@ class DecisionCore:
         rid = job.replica_id
         return self.versions.versions_since(rid, job.version_mark) if rid is not None else []
 
+    def settle(self) -> None:
+        """Apply the bookkeeping :meth:`place` deferred (the prefix index's insert of the placed
+        prompt, ``PrefixIndex.insert(defer=True)``). Never needed for correctness (every read
+        applies it first); a router calls it once the request is on its way to the replica, so
+        the work overlaps the replica's prefill instead of delaying the send."""
+        index = self.prefix_index()
+        if index is not None:
+            index.settle()
+
     def prefix_index(self) -> PrefixIndex | None:
         """The placement policy's prefix index, for the KV-event subscriber (None: the policy
         keeps none, e.g. round-robin)."""

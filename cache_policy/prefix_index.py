@@ -67,24 +67,30 @@ class PrefixIndex:
         self._pending: deque[tuple[float, BlockHash, ReplicaId]] = deque()
         self._now = 0.0
         self._expired = 0
+        self._deferred: list[tuple[Sequence[BlockHash], ReplicaId, float]] = []
 
     def __len__(self) -> int:
+        self.settle()
         return len(self._entries)
 
     def replicas(self) -> set[ReplicaId]:
         """Replicas holding at least one indexed block."""
+        self.settle()
         return {r for r, n in self._per_replica.items() if n > 0}
 
     def blocks_of(self, replica: ReplicaId) -> int:
         """Number of indexed blocks ``replica`` holds (an approximate cache size)."""
+        self.settle()
         return self._per_replica[replica]
 
     def confirmed_of(self, replica: ReplicaId) -> int:
         """Number of ``replica``'s indexed blocks an engine event confirmed."""
+        self.settle()
         return self._confirmed[replica]
 
     def set_event_fed(self, replica: ReplicaId, fed: bool = True) -> None:
         """Mark ``replica`` as publishing KV events (its predictions expire) or not."""
+        self.settle()
         if fed:
             self._event_fed.add(replica)
         else:
@@ -92,14 +98,24 @@ class PrefixIndex:
 
     def is_event_fed(self, replica: ReplicaId) -> bool:
         """True if ``replica``'s unconfirmed predictions expire after ``predicted_ttl_s``."""
+        self.settle()
         return replica in self._event_fed
 
-    def insert(self, hashes: Sequence[BlockHash], replica: ReplicaId, now: float | None = None) -> None:
+    def insert(self, hashes: Sequence[BlockHash], replica: ReplicaId, now: float | None = None, *,
+               defer: bool = False) -> None:
         """Predict that ``replica`` now holds every block of ``hashes``; evict past capacity.
 
-        A confirmed pair stays confirmed; a predicted one is stamped ``now`` again.
+        A confirmed pair stays confirmed; a predicted one is stamped ``now`` again. ``defer``:
+        only note the insert, stamped now; it is applied by :meth:`settle`, which every other
+        method runs first, so no reader ever sees the index without it. A router decides, sends
+        the request, then settles while the replica prefills: the insert of a 4,000-token prompt
+        (250 blocks, and as many evicted from a full index) leaves the request's critical path.
         """
+        self.settle()
         stamp = self._clock(now)
+        if defer:
+            self._deferred.append((hashes, replica, stamp))
+            return
         fed = replica in self._event_fed
         entries, pending, added = self._entries, self._pending, 0
         if entries.keys().isdisjoint(hashes):  # a new prefix (C-speed test): one bulk insert
@@ -129,8 +145,16 @@ class PrefixIndex:
         self._evict()
         self._compact_pending()
 
+    def settle(self) -> None:
+        """Apply the inserts :meth:`insert` deferred, in the order they were made."""
+        while self._deferred:
+            deferred, self._deferred = self._deferred, []
+            for hashes, replica, stamp in deferred:
+                self.insert(hashes, replica, stamp)
+
     def confirm(self, hashes: Sequence[BlockHash], replica: ReplicaId, now: float | None = None) -> None:
         """Record that ``replica``'s engine reported holding every block of ``hashes``."""
+        self.settle()
         self._clock(now)
         for h in reversed(hashes):
             holders = self._holders(h)
@@ -149,6 +173,7 @@ class PrefixIndex:
         Touches the matched hashes (LRU) unless ``touch`` is False (a caller that inserts
         ``hashes`` next, which touches all of them: a routing decision).
         """
+        self.settle()
         self.expire(self._clock(now))
         entries = self._entries
         first = entries.get(hashes[0]) if len(hashes) else None
@@ -185,6 +210,7 @@ class PrefixIndex:
 
     def expire(self, now: float) -> int:
         """Drop predictions on event-fed replicas older than ``predicted_ttl_s``; return how many."""
+        self.settle()
         self._clock(now)
         dropped = 0
         while self._pending and self._pending[0][0] + self.predicted_ttl_s < now:
@@ -198,6 +224,7 @@ class PrefixIndex:
 
     def remove(self, hashes: Sequence[BlockHash], replica: ReplicaId) -> None:
         """Forget that ``replica`` holds ``hashes`` (a request it rejected, blocks it evicted)."""
+        self.settle()
         for h in hashes:
             holders = self._entries.get(h)
             if holders is not None and replica in holders:
@@ -205,6 +232,7 @@ class PrefixIndex:
 
     def remove_replica(self, replica: ReplicaId) -> None:
         """Forget every block ``replica`` holds (it left the fleet or lost its cache)."""
+        self.settle()
         if not self._per_replica.get(replica):
             return
         for h in list(self._entries):
@@ -217,6 +245,7 @@ class PrefixIndex:
 
     def clear(self) -> None:
         """Forget everything (e.g. after a cache flush on every replica)."""
+        self.settle()
         self._entries.clear()
         self._per_replica.clear()
         self._confirmed.clear()
@@ -224,11 +253,13 @@ class PrefixIndex:
 
     def stats(self) -> IndexStats:
         """Counters for metrics (O(replicas))."""
+        self.settle()
         pairs, confirmed = sum(self._per_replica.values()), sum(self._confirmed.values())
         return IndexStats(len(self._entries), pairs - confirmed, confirmed, self._expired)
 
     def check_integrity(self) -> None:
         """Raise ``RuntimeError('bug: ...')`` if an invariant of the class is broken."""
+        self.settle()
         if len(self._entries) > self.max_blocks:
             raise RuntimeError(f"bug: index holds {len(self._entries)} > {self.max_blocks}")
         counts: Counter[ReplicaId] = Counter()

@@ -163,6 +163,9 @@ class Lifecycle:
         rid = job.decision.replica_id
         flight = Flight(job, streaming, spans=[first_span(self.core, job)])
         flight.task = asyncio.ensure_future(attempt(job, self.pool.get(rid).endpoint))
+        # after the attempt's first step (it sends the request, then waits for the answer): the
+        # placement's deferred bookkeeping runs while the replica works, not before the send
+        asyncio.get_running_loop().call_soon(self.core.settle)
         self.flights.setdefault(rid, {})[job.id] = flight
         try:
             return await flight.task

@@ -5,6 +5,8 @@ from __future__ import annotations
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cache_policy.prefix_index import PrefixIndex
 from cache_policy.types import BlockHash, ReplicaId
@@ -106,3 +108,49 @@ def test_remove_forgets_only_the_given_blocks_of_one_replica() -> None:
     assert index.match(hashes) == {a: 2}
     assert len(index) == 2
     index.check_integrity()
+
+
+_OPS = st.lists(st.tuples(st.sampled_from(["insert", "defer", "confirm", "match", "remove", "expire", "fed"]),
+                          st.lists(st.integers(0, 30), min_size=1, max_size=12), st.sampled_from([A, B, C]),
+                          st.floats(0, 5)), max_size=40)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_OPS)
+def test_a_deferred_insert_reads_exactly_as_an_immediate_one(ops) -> None:
+    """``insert(defer=True)`` is applied before any other call looks at the index: two indexes fed
+    the same calls, one inserting at once and one deferring, answer every read alike (eviction
+    order and prediction stamps included) whether or not ``settle`` ran in between."""
+    now_index, later_index = PrefixIndex(16, predicted_ttl_s=2.0), PrefixIndex(16, predicted_ttl_s=2.0)
+    clock = 0.0
+    for k, (op, values, replica, dt) in enumerate(ops):
+        clock += dt
+        hashes = hs(*values)
+        for index in (now_index, later_index):
+            if op in ("insert", "defer"):
+                index.insert(hashes, replica, clock, defer=op == "defer" and index is later_index)
+            elif op == "confirm":
+                index.confirm(hashes, replica, clock)
+            elif op == "remove":
+                index.remove(hashes, replica)
+            elif op == "expire":
+                index.expire(clock)
+            elif op == "fed":
+                index.set_event_fed(replica, fed=dt < 2.5)
+        if op == "match":
+            assert now_index.match(hashes, clock) == later_index.match(hashes, clock)
+        if k % 3 == 0:
+            later_index.settle()
+    assert now_index.stats() == later_index.stats()
+    assert list(now_index._entries.items()) == list(later_index._entries.items())
+    later_index.check_integrity()
+
+
+def test_a_deferred_insert_waits_for_settle_or_the_next_read() -> None:
+    index = PrefixIndex(100)
+    index.insert(hs(1, 2, 3), A, defer=True)
+    assert index._deferred and not index._entries  # noted, not applied
+    index.settle()
+    assert not index._deferred and list(index._entries) == hs(3, 2, 1)
+    index.insert(hs(4, 5), B, defer=True)
+    assert index.match(hs(4, 5, 6)) == {B: 2}  # a read applies it first
