@@ -10,6 +10,12 @@
  *
  * int_bounds(ids)  -> (min, max) | None
  * hash_chain(ids, block_size, parent, salt, seed) -> list[int]
+ * hash_packed(buf, block_size, parent, salt, seed) -> list[int]
+ * split_ids(raw, key) -> (cut_start, cut_end, packed, min, max, value_start, value_end) | None
+ *
+ * split_ids reads a request body's token-ID list straight from its JSON bytes, so a 4,000-token
+ * prompt never becomes 4,000 Python ints (decoding them is most of a body's decode time); the
+ * router decodes the rest of the body as before and forwards the list's JSON text verbatim.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -175,9 +181,238 @@ fail:
     return NULL;
 }
 
+PyDoc_STRVAR(hash_packed_doc,
+"hash_packed(buf, block_size, parent, salt, seed, /)\n--\n\n"
+"``hash_chain`` of token IDs already packed as little-endian uint32 (``buf``: any contiguous\n"
+"bytes-like object, e.g. an ``array('I')`` on a little-endian machine; its length must be a\n"
+"multiple of 4, else ValueError): ``len(buf) // 4 // block_size`` ints, in block order.");
+
+static PyObject *
+hash_packed(PyObject *module, PyObject *args)
+{
+    Py_buffer buf;
+    Py_ssize_t block_size;
+    unsigned long long parent, seed;
+    const char *salt;
+    Py_ssize_t salt_len;
+    if (!PyArg_ParseTuple(args, "y*nKy#K:hash_packed", &buf, &block_size, &parent, &salt, &salt_len, &seed)) {
+        return NULL;
+    }
+    PyObject *out = NULL;
+    unsigned char *scratch = NULL;
+    if (block_size <= 0) {
+        PyErr_Format(PyExc_ValueError, "block_size must be a positive number of tokens, got %zd", block_size);
+        goto done;
+    }
+    if (buf.len % 4 != 0) {
+        PyErr_Format(PyExc_ValueError, "hash_packed: %zd bytes is not a whole number of uint32 tokens", buf.len);
+        goto done;
+    }
+    Py_ssize_t stride = 4 * block_size;
+    Py_ssize_t blocks = buf.len / stride;
+    scratch = PyMem_Malloc((size_t)(8 + stride + salt_len));
+    if (scratch == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    out = PyList_New(blocks);
+    if (out == NULL) {
+        goto done;
+    }
+    uint64_t h = (uint64_t)parent;
+    const unsigned char *tokens = (const unsigned char *)buf.buf;
+    for (Py_ssize_t b = 0; b < blocks; b++) {
+        put_le64(scratch, h);
+        memcpy(scratch + 8, tokens + b * stride, (size_t)stride);
+        size_t len = (size_t)(8 + stride);
+        if (b == 0 && salt_len > 0) {
+            memcpy(scratch + len, salt, (size_t)salt_len);
+            len += (size_t)salt_len;
+        }
+        h = XXH3_64bits_withSeed(scratch, len, (XXH64_hash_t)seed);
+        PyObject *value = PyLong_FromUnsignedLongLong(h);
+        if (value == NULL) {
+            Py_CLEAR(out);
+            goto done;
+        }
+        PyList_SET_ITEM(out, b, value);
+    }
+done:
+    PyMem_Free(scratch);
+    PyBuffer_Release(&buf);
+    return out;
+}
+
+/* JSON whitespace (RFC 8259: space, tab, line feed, carriage return) from s[i]; the next index. */
+static inline Py_ssize_t
+skip_ws(const unsigned char *s, Py_ssize_t i, Py_ssize_t n)
+{
+    while (i < n && (s[i] == ' ' || s[i] == '\t' || s[i] == '\n' || s[i] == '\r')) i++;
+    return i;
+}
+
+/* Past the JSON string opening at s[i] ('"'); -1 when it does not close (or holds a raw control
+   character). *escaped is set when it holds a backslash. */
+static Py_ssize_t
+skip_string(const unsigned char *s, Py_ssize_t i, Py_ssize_t n, int *escaped)
+{
+    for (i++; i < n; i++) {
+        unsigned char c = s[i];
+        if (c == '"') return i + 1;
+        if (c == '\\') { *escaped = 1; i++; continue; }
+        if (c < 0x20) return -1;
+    }
+    return -1;
+}
+
+/* Past the JSON value starting at s[i]: a string exactly, anything else by bracket depth up to
+   the ',' '}' or ']' (or whitespace) that ends it at depth 0. Lenient: whether the value is valid
+   JSON is for the decoder of the rest of the body to say. -1 when it runs off the end. */
+static Py_ssize_t
+skip_value(const unsigned char *s, Py_ssize_t i, Py_ssize_t n)
+{
+    Py_ssize_t depth = 0;
+    while (i < n) {
+        unsigned char c = s[i];
+        if (c == '"') {
+            int escaped = 0;
+            i = skip_string(s, i, n, &escaped);
+            if (i < 0) return -1;
+            if (depth == 0) return i;
+            continue;
+        }
+        if (c == '[' || c == '{') {
+            depth++;
+        } else if (c == ']' || c == '}') {
+            if (depth == 0) return i;
+            if (--depth == 0) return i + 1;
+        } else if (depth == 0 && (c == ',' || c == ' ' || c == '\t' || c == '\n' || c == '\r')) {
+            return i;
+        }
+        i++;
+    }
+    return depth == 0 ? i : -1;
+}
+
+PyDoc_STRVAR(split_ids_doc,
+"split_ids(raw, key, /)\n--\n\n"
+"Find the top-level member ``key`` of the JSON object ``raw`` (bytes) whose value is a non-empty\n"
+"list of token IDs: JSON integers in [0, 2**32), written plainly (no sign, fraction, exponent or\n"
+"leading zero). Returns ``(cut_start, cut_end, packed, min, max, value_start, value_end)``:\n"
+"``raw[:cut_start] + raw[cut_end:]`` is the object without that member (and its comma),\n"
+"``packed`` the IDs as little-endian uint32 bytes, ``raw[value_start:value_end]`` the list's\n"
+"JSON text. None whenever that is not certain (no such member, another value, an ID out of\n"
+"range, a key written with an escape, the key twice, text after the object): the caller then\n"
+"decodes ``raw`` whole. The rest of ``raw`` is skipped leniently: decoding the object without\n"
+"the member is what judges it (if that is valid JSON, so is ``raw``).");
+
+static PyObject *
+split_ids(PyObject *module, PyObject *args)
+{
+    const unsigned char *s;
+    Py_ssize_t n;
+    const char *key;
+    Py_ssize_t key_len;
+    if (!PyArg_ParseTuple(args, "y#y#:split_ids", &s, &n, &key, &key_len)) {
+        return NULL;
+    }
+    Py_ssize_t i = skip_ws(s, 0, n);
+    if (i >= n || s[i] != '{') Py_RETURN_NONE;
+    Py_ssize_t open = i;
+    Py_ssize_t cut_start = -1, cut_end = -1, value_start = -1, value_end = -1;
+    uint32_t *ids = NULL;
+    Py_ssize_t count = 0;
+    uint32_t lo = 0, hi = 0;
+    i++;
+    for (;;) {
+        Py_ssize_t member = i;  /* just past '{' or ',' */
+        i = skip_ws(s, i, n);
+        if (i < n && s[i] == '}' && member == open + 1) {
+            i++;
+            break;  /* {} */
+        }
+        if (i >= n || s[i] != '"') goto decline;
+        int escaped = 0;
+        Py_ssize_t key_start = i + 1;
+        i = skip_string(s, i, n, &escaped);
+        if (i < 0 || escaped) goto decline;
+        int is_key = (i - 1 - key_start == key_len) && memcmp(s + key_start, key, (size_t)key_len) == 0;
+        i = skip_ws(s, i, n);
+        if (i >= n || s[i] != ':') goto decline;
+        i = skip_ws(s, i + 1, n);
+        if (is_key) {
+            if (ids != NULL || i >= n || s[i] != '[') goto decline;  /* twice, or not a list */
+            value_start = i;
+            ids = PyMem_Malloc(sizeof(uint32_t) * (size_t)((n - i) / 2 + 1));
+            if (ids == NULL) return PyErr_NoMemory();
+            i = skip_ws(s, i + 1, n);
+            for (;;) {
+                if (i >= n || s[i] < '0' || s[i] > '9') goto decline;  /* also '-', ']' (empty) */
+                Py_ssize_t start = i;
+                uint64_t v = 0;
+                while (i < n && s[i] >= '0' && s[i] <= '9' && i - start < 11) {
+                    v = v * 10 + (uint64_t)(s[i] - '0');
+                    i++;
+                }
+                if ((s[start] == '0' && i - start > 1) || v > 0xFFFFFFFFULL) goto decline;
+                if (i < n && ((s[i] >= '0' && s[i] <= '9') || s[i] == '.' || s[i] == 'e' || s[i] == 'E')) goto decline;
+                uint32_t t = (uint32_t)v;
+                if (count == 0) {
+                    lo = hi = t;
+                } else {
+                    if (t < lo) lo = t;
+                    if (t > hi) hi = t;
+                }
+                ids[count++] = t;
+                i = skip_ws(s, i, n);
+                if (i < n && s[i] == ',') {
+                    i = skip_ws(s, i + 1, n);
+                    continue;
+                }
+                if (i < n && s[i] == ']') break;
+                goto decline;
+            }
+            value_end = ++i;
+        } else {
+            i = skip_value(s, i, n);
+            if (i < 0) goto decline;
+        }
+        i = skip_ws(s, i, n);
+        if (i >= n) goto decline;
+        if (s[i] == ',') {
+            if (is_key) { cut_start = member; cut_end = i + 1; }
+            i++;
+            continue;
+        }
+        if (s[i] != '}') goto decline;
+        if (is_key) {  /* the last member: its comma is the one before it, if any */
+            cut_start = member == open + 1 ? member : member - 1;
+            cut_end = i;
+        }
+        i++;
+        break;
+    }
+    if (skip_ws(s, i, n) != n || ids == NULL) goto decline;
+    PyObject *packed = PyBytes_FromStringAndSize(NULL, 4 * count);
+    if (packed == NULL) {
+        PyMem_Free(ids);
+        return NULL;
+    }
+    unsigned char *p = (unsigned char *)PyBytes_AS_STRING(packed);
+    for (Py_ssize_t k = 0; k < count; k++) put_le32(p + 4 * k, ids[k]);
+    PyMem_Free(ids);
+    return Py_BuildValue("(nnNkknn)", cut_start, cut_end, packed, (unsigned long)lo, (unsigned long)hi,
+                         value_start, value_end);
+decline:
+    PyMem_Free(ids);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"int_bounds", (PyCFunction)int_bounds, METH_O, int_bounds_doc},
     {"hash_chain", (PyCFunction)hash_chain, METH_VARARGS, hash_chain_doc},
+    {"hash_packed", (PyCFunction)hash_packed, METH_VARARGS, hash_packed_doc},
+    {"split_ids", (PyCFunction)split_ids, METH_VARARGS, split_ids_doc},
     {NULL, NULL, 0, NULL},
 };
 

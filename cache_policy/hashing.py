@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import operator
 import struct
+import sys
+from array import array
 from collections.abc import Sequence
 
 import xxhash
@@ -98,6 +100,11 @@ def block_hashes(
     return _chain(token_ids, block_size, _ROOT_PARENT, _salt_bytes(cache_salt), seed)
 
 
+_PACKED_U32 = next((code for code in "IL" if array(code).itemsize == 4), None) if sys.byteorder == "little" else None
+"""The ``array`` type code whose buffer is already ``_pack_tokens``'s bytes (uint32, little-endian),
+or None on a machine where no such array exists (the reference path then packs it)."""
+
+
 def _chain(token_ids: Sequence[int], block_size: int, parent: int, salt: bytes, seed: int) -> list[BlockHash]:
     """Validate ``token_ids`` and hash their full blocks from ``parent``: in one C pass
     (``cache_policy.native``, about 10x faster on a 4,000-token prompt) when every ID is a
@@ -106,6 +113,8 @@ def _chain(token_ids: Sequence[int], block_size: int, parent: int, salt: bytes, 
         hashes = NATIVE.hash_chain(token_ids, block_size, parent, salt, seed)
         if hashes is not None:
             return hashes
+    elif NATIVE is not None and isinstance(token_ids, array) and token_ids.typecode == _PACKED_U32:
+        return NATIVE.hash_packed(token_ids, block_size, parent, salt, seed)  # IDs packed as decoded
     packed = _pack_tokens(token_ids)  # validates the partial tail block too
     return _hash_chain(packed, block_size, parent, salt, seed)
 

@@ -26,7 +26,7 @@ from typing import Any
 import msgspec
 
 from router.errors import BadRequest, echo
-from router.token_ids import int_bounds
+from router.token_ids import int_bounds, split_ids
 
 MAX_JSON_DEPTH = 32
 """Deepest nesting of objects and lists a body may have (an OpenAI chat body needs about 6)."""
@@ -57,8 +57,27 @@ class _HugeInt:
         self.digits = digits
 
 
-def load_json_object(raw: bytes) -> dict[str, Any]:
-    """Decode a JSON object body; BadRequest (``param`` names the body or the field) otherwise."""
+def load_json_object(raw: bytes, ids_field: str | None = None) -> dict[str, Any]:
+    """Decode a JSON object body; BadRequest (``param`` names the body or the field) otherwise.
+
+    ``ids_field``: a top-level field that usually holds thousands of token IDs (a completion's
+    ``prompt``). When it does, it is read straight from ``raw`` as ``router.token_ids.TokenIds``
+    (``split_ids``, in C) and only the rest of the body is decoded and checked here: the same
+    body, with that field a ``TokenIds`` instead of a list (a 4,000-token prompt: about 170 µs
+    of decoding less, and no re-encoding on the way out). Anything else decodes whole."""
+    split = split_ids(raw, ids_field) if ids_field is not None else None
+    if split is not None:
+        rest, ids = split
+        try:
+            body = _FAST.decode(rest)
+        except (msgspec.DecodeError, RecursionError):
+            body = None  # decoded whole below: its verdict and message are about ``raw``
+        if isinstance(body, dict):
+            if _may_be_unsafe(rest):
+                check_tree(body)
+            check_int64(body)
+            body[ids_field] = ids
+            return body
     body, huge = _decode(raw)
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object", param="body")

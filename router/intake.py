@@ -47,10 +47,10 @@ def check_room(num_prompt: int, body: dict[str, Any], limits: Limits, param: str
 async def read_completion(request: web.Request) -> tuple[ParsedRequest, list[int]]:
     """A ``/v1/completions`` request, validated, and the token IDs to route and send."""
     app, limits = request.app, limits_of(request.app)
-    parsed = parse_completion(load_json_object(body_of(request)), request.headers, limits=limits,
+    parsed = parse_completion(load_json_object(body_of(request), "prompt"), request.headers, limits=limits,
                               tenant=tenant_of(request))
     tokenizer = app[keys.TOKENIZER]
-    if isinstance(parsed.prompt, list):
+    if not isinstance(parsed.prompt, str):  # token IDs: a list, or TokenIds read from the JSON
         tokenizer.check_ids(parsed.prompt, "prompt", parsed.prompt_max_id)
         token_ids = parsed.prompt
     else:

@@ -17,7 +17,7 @@ from typing import Any, Literal, Mapping, Sequence
 from router.body import is_utf8, load_json_object
 from router.errors import BadRequest, echo
 from router.schemas import MAX_TOP_LOGPROBS, ChatRequest, CompletionRequest, ScoreBody, validate_body
-from router.token_ids import all_ints, min_max
+from router.token_ids import TokenIds, all_ints, min_max
 
 Endpoint = Literal["completions", "chat"]
 ROUTING_FIELDS = ("session_id", "group_id", "weight_version")
@@ -190,7 +190,7 @@ def refuse_plugin_xargs(body: dict[str, Any]) -> None:
 
 
 def _is_token_ids(value: Any) -> bool:
-    return isinstance(value, list) and all_ints(value)
+    return type(value) is TokenIds or (isinstance(value, list) and all_ints(value))
 
 
 def _validate_prompt(prompt: Any, limits: Limits) -> tuple[str | list[int], int | None]:
@@ -286,7 +286,7 @@ def parse_completion(body: dict[str, Any], headers: Mapping[str, str], *, limits
     keys, stream = routing_keys(body, headers, limits, tenant), _validate_common(body, limits)
     prompt, max_id = _validate_prompt(body.get("prompt"), limits)
     # every prompt _validate_prompt passes, the model passes too: it need not walk the token IDs again
-    validate_body(CompletionRequest, {**body, "prompt": []} if isinstance(prompt, list) else body)
+    validate_body(CompletionRequest, {**body, "prompt": []} if not isinstance(prompt, str) else body)
     return ParsedRequest("completions", body, keys, stream, prompt=prompt, prompt_max_id=max_id)
 
 

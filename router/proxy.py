@@ -23,6 +23,7 @@ from yarl import URL
 
 from replicas.auth import PROCESS_KEYS, bearer
 from router.errors import UpstreamError, error_body
+from router.token_ids import TokenIds
 from router.upstream import ReplicaClient, ReplicaUnreachable
 from router.weights.stream import relay_events
 
@@ -40,13 +41,22 @@ more on a fresh connection to the same replica before the replica counts as fail
 
 
 _JSON = {"Content-Type": "application/json"}
-_ENCODE = msgspec.json.Encoder().encode
+def _as_json(value: Any) -> msgspec.Raw:
+    """A :class:`router.token_ids.TokenIds` as the JSON text it was read from (msgspec's hook
+    for a type it cannot encode; TypeError for any other, as msgspec raises)."""
+    if type(value) is TokenIds:
+        return msgspec.Raw(value.json)
+    raise TypeError(f"cannot encode {type(value).__name__} as JSON")
+
+
+_ENCODE = msgspec.json.Encoder(enc_hook=_as_json).encode
 
 
 def encode_body(body: dict[str, Any]) -> bytes:
     """``body`` as compact UTF-8 JSON (msgspec: a 4,000-token prompt in tens of microseconds,
-    ``json.dumps`` takes hundreds). Bodies hold only what JSON decoding gave (``router.body``
-    refuses non-finite numbers and lone surrogates) plus strings and ints the router sets."""
+    ``json.dumps`` takes hundreds; a ``TokenIds`` prompt is copied as the text it was read from).
+    Bodies hold only what JSON decoding gave (``router.body`` refuses non-finite numbers and lone
+    surrogates) plus strings and ints the router sets."""
     return _ENCODE(body)
 
 

@@ -117,3 +117,24 @@ def test_the_routers_id_checks_are_the_same_without_the_extension(ids):
         assert run() == with_native
     assert with_native[0] == all(type(t) is int for t in ids)
     assert with_native[2] == ((min(ids), max(ids)) if with_native[0] else None)
+
+
+@needs_native
+@settings(max_examples=300, deadline=None)
+@given(ids=st.lists(U32, max_size=200), block_size=st.integers(1, 20), parent=U64, seed=U64,
+       salt=st.one_of(st.just(b""), st.binary(min_size=1, max_size=40)))
+def test_hash_packed_is_the_python_chain_of_the_same_ids(ids, block_size, parent, seed, salt):
+    from array import array
+    want = _hash_chain(_pack_tokens(ids), block_size, parent, salt, seed)
+    assert NATIVE.hash_packed(_pack_tokens(ids), block_size, parent, salt, seed) == want
+    packed = array(hashing._PACKED_U32, ids)  # what a TokenIds prompt holds
+    assert NATIVE.hash_packed(packed, block_size, parent, salt, seed) == want
+    assert hashing._chain(packed, block_size, parent, salt, seed) == want
+
+
+@needs_native
+def test_hash_packed_refuses_a_partial_token():
+    with pytest.raises(ValueError, match="whole number of uint32"):
+        NATIVE.hash_packed(b"\x01\x02\x03", 4, 0, b"", 0)
+    with pytest.raises(ValueError, match="block_size"):
+        NATIVE.hash_packed(b"", 0, 0, b"", 0)

@@ -1,0 +1,117 @@
+"""A completion's token-ID prompt read straight from the JSON bytes (``router.token_ids.split_ids``,
+in C) gives the same body, the same refusals and the same forwarded prompt as decoding it whole.
+
+The bodies are generated as text, not only as objects: random whitespace, key order, escapes,
+the prompt anywhere among other members, and near-miss prompts (negative, fractional, exponent,
+leading zero, out of uint32, nested, empty, the key twice or escaped, trailing garbage)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cache_policy.native import NATIVE
+from router.body import load_json_object
+from router.errors import BadRequest
+from router.proxy import encode_body
+from router.token_ids import TokenIds, split_ids
+
+needs_native = pytest.mark.skipif(NATIVE is None, reason="cache_policy._native is not built (no C compiler)")
+
+WS = st.text(" \t\n\r", max_size=3)
+SCALAR = st.one_of(st.integers(-2**70, 2**70), st.floats(allow_nan=False, allow_infinity=False),
+                   st.booleans(), st.none(), st.text(max_size=6))
+VALUE = st.recursive(SCALAR, lambda inner: st.one_of(st.lists(inner, max_size=3),
+                                                     st.dictionaries(st.text(max_size=4), inner, max_size=3)),
+                     max_leaves=8)
+NEAR_MISS = st.sampled_from(["-1", "01", "1.0", "1e3", "4294967296", "99999999999", "[1]", '"1"',
+                                     "true", "null", "00", "-0", "1E2", "12345678901234567890"])
+ID_TEXT = st.integers(0, 2**32 - 1).map(str)
+
+
+@st.composite
+def id_list_text(draw) -> str:
+    items = draw(st.lists(ID_TEXT, min_size=draw(st.sampled_from([0, 1, 1, 1])), max_size=8))
+    if items and draw(st.integers(0, 7)) == 0:  # one near miss among valid IDs
+        items[draw(st.integers(0, len(items) - 1))] = draw(NEAR_MISS)
+    inner = ",".join(draw(WS) + item + draw(WS) for item in items)
+    return "[" + (inner or draw(WS)) + "]"
+
+
+@st.composite
+def body_text(draw) -> str:
+    members = [json.dumps(k, ensure_ascii=draw(st.integers(0, 5)) == 0) + draw(WS) + ":" + draw(WS) + json.dumps(v)
+               for k, v in draw(st.dictionaries(st.sampled_from(["model", "max_tokens", "n", "x", "é", "é", "\\"]),
+                                                VALUE, max_size=4)).items()]
+    prompt = draw(id_list_text()) if draw(st.integers(0, 4)) else json.dumps(draw(VALUE))
+    key = '"prompt"' if draw(st.integers(0, 5)) else draw(st.sampled_from(['"pr\\u006fmpt"', '"promp"']))
+    members.insert(draw(st.integers(0, len(members))), key + draw(WS) + ":" + draw(WS) + prompt)
+    if draw(st.integers(0, 9)) == 0:
+        members.append('"prompt":' + draw(id_list_text()))  # the key twice
+    text = "{" + ",".join(draw(WS) + m + draw(WS) for m in members) + "}"
+    return draw(WS) + text + draw(st.sampled_from(["", "", "", "", "", " ", "\n", "x", ",", "}"]))
+
+
+def outcome(raw: bytes, ids_field: str | None):
+    try:
+        body = load_json_object(raw, ids_field)
+    except BadRequest as exc:
+        return ("refused", exc.param, str(exc))
+    if isinstance(body.get("prompt"), TokenIds):
+        body["prompt"] = body["prompt"].tolist()
+    return ("ok", body)
+
+
+@needs_native
+@settings(max_examples=1500, deadline=None)
+@given(body_text())
+def test_reading_the_prompt_from_the_bytes_gives_the_body_decoding_it_whole_gives(text):
+    raw = text.encode()
+    assert outcome(raw, "prompt") == outcome(raw, None)
+
+
+@needs_native
+@settings(max_examples=500, deadline=None)
+@given(body_text())
+def test_the_forwarded_body_holds_the_prompt_the_router_hashed(text):
+    raw = text.encode()
+    try:
+        body = load_json_object(raw, "prompt")
+    except BadRequest:
+        return
+    sent = json.loads(encode_body(body))
+    want = json.loads(raw)
+    assert sent == want
+    if isinstance(body.get("prompt"), TokenIds):
+        assert sent["prompt"] == body["prompt"].tolist() == list(body["prompt"])
+        assert body["prompt"].bounds == (min(sent["prompt"]), max(sent["prompt"]))
+
+
+@needs_native
+@pytest.mark.parametrize("text", [
+    '{"prompt":[1,2]}', ' { "model" : "m" , "prompt" : [ 0 , 4294967295 ] } ', '{"a":{"prompt":[9]},"prompt":[3]}',
+    '{"a":"\\"prompt\\":[1]","prompt":[7,7]}', '{"prompt":[5],"b":[1,{"c":"]}"}]}'])
+def test_a_plain_token_id_prompt_is_read_from_the_bytes(text):
+    rest, ids = split_ids(text.encode(), "prompt")
+    whole = json.loads(text)
+    assert ids == whole.pop("prompt") and json.loads(rest) == whole
+    assert json.loads(ids.json) == ids.tolist()
+
+
+@needs_native
+@pytest.mark.parametrize("text", [
+    '{"prompt":[]}', '{"prompt":[-1]}', '{"prompt":[01]}', '{"prompt":[1.5]}', '{"prompt":[1e2]}',
+    '{"prompt":[4294967296]}', '{"prompt":[[1]]}', '{"prompt":"hi"}', '{"prompt":[1],"prompt":[2]}',
+    '{"pr\\u006fmpt":[1]}', '{"prompt":[1]} x', '{"prompt":[1],}', '[{"prompt":[1]}]', '\ufeff{"prompt":[1]}',
+    '{"prompt":[1 2]}', '{"prompt":[1,]}', '{"a":1', '{"prompt":[1]'])
+def test_anything_else_is_left_to_the_whole_decoder(text):
+    assert split_ids(text.encode(), "prompt") is None
+
+
+def test_token_ids_compare_as_the_list_they_hold():
+    ids = TokenIds("I", [3, 4])
+    assert ids == [3, 4] and ids != [3, 5] and ids != [3] and ids == TokenIds("I", [3, 4])
+    assert {"prompt": ids} == {"prompt": [3, 4]}
