@@ -2,9 +2,9 @@
 
 A change meant to make the router faster is measured against the commit before it in one run:
 each checkout's ``rollout-router serve`` fronts the same zero-cost simulated replica
-(``bench.h2h.replicas_main --cost zero``), next to the aiohttp pass-through floor
-(``bench.h2h.passthrough``) and the bare-protocol floor under it (``bench.h2h.bare``: uvloop and
-httptools, no framework); every prompt (``--tokens`` random token IDs) goes directly and
+(``bench.h2h.replicas_main --cost zero``), next to three floors (:data:`FLOORS`): the aiohttp
+pass-through (``bench.h2h.passthrough``), the same server posting through ours' replica client, and
+the bare-protocol floor under both (``bench.h2h.bare``: uvloop and httptools, no framework); every prompt (``--tokens`` random token IDs) goes directly and
 through each router in turn, rotating which goes first, so the machine's drift hits all alike.
 Prints per router the added latency (p50 and p99 of routed minus direct, ms) and its CPU per
 request (user + system of its process, all threads, ms). A checkout is a folder with this
@@ -40,6 +40,15 @@ from bench.h2h.routers import ROOT, free_port
 
 READY_S = 120.0
 
+FLOORS = {
+    "passthrough": ("aiohttp pass-through", "bench.h2h.passthrough", []),
+    "passthrough-lean": ("aiohttp server + lean client", "bench.h2h.passthrough", ["--client", "lean"]),
+    "bare": ("bare uvloop + httptools pass-through", "bench.h2h.bare", []),
+}
+"""The pass-throughs measured beside the checkouts: row name, module, extra arguments. The middle
+one is the aiohttp server with ours' replica client (``router.upstream``): ours minus it is what
+the router's own work costs; it minus ``bare`` is what the server framework costs."""
+
 
 async def _ready(http: aiohttp.ClientSession, url: str, proc: subprocess.Popen, name: str) -> None:
     """Until ``url`` answers a one-block completion 200; RuntimeError if ``proc`` exits or time runs out."""
@@ -73,12 +82,12 @@ async def run(checkouts: list[Path], requests: int, tokens: int, seed: int, warm
         config.write_text(f"replicas:\n  urls: [{urls[0]}]\n")
         procs: dict[str, tuple[subprocess.Popen, str]] = {}
         try:
-            for k, root in enumerate([*checkouts, "passthrough", "bare"]):
+            for k, root in enumerate([*checkouts, *FLOORS]):
                 port = free_port()
-                floor = root in ("passthrough", "bare")
-                name = {"passthrough": "aiohttp pass-through", "bare": "bare uvloop + httptools pass-through"}.get(
-                    root, f"{k + 1}: {root}")
-                argv = ([sys.executable, "-m", f"bench.h2h.{root}", "--port", str(port), urls[0]] if floor
+                floor = root in FLOORS
+                name = FLOORS[root][0] if floor else f"{k + 1}: {root}"
+                argv = ([sys.executable, "-m", FLOORS[root][1], "--port", str(port), urls[0], *FLOORS[root][2]]
+                        if floor
                         else [sys.executable, "-m", "router", "serve", "--config", str(config), "--host", "127.0.0.1",
                               "--port", str(port), "--log-level", "WARNING"])
                 cwd = ROOT if floor else root

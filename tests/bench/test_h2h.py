@@ -113,13 +113,14 @@ def test_top_frames_shares():
 
 
 def test_ab_measures_a_checkout_beside_the_pass_through_floor():
-    """``bench.h2h.ab`` on this checkout: its router and the two floors each answered every prompt
+    """``bench.h2h.ab`` on this checkout: its router and the three floors each answered every prompt
     (a non-200 raises) and their processes spent CPU on them; the floors add nothing but HTTP."""
     from bench.h2h.ab import run
     from bench.h2h.routers import ROOT
 
     result = asyncio.run(run([ROOT], requests=100, tokens=300, seed=1, warmup=3))  # CPU is read in 10 ms ticks
-    assert list(result) == [f"1: {ROOT}", "aiohttp pass-through", "bare uvloop + httptools pass-through"]
+    assert list(result) == [f"1: {ROOT}", "aiohttp pass-through", "aiohttp server + lean client",
+                            "bare uvloop + httptools pass-through"]
     for row in result.values():
         assert row["cpu_ms_per_request"] > 0 and row["direct_p50_ms"] > 0
 
