@@ -18,6 +18,7 @@ from router import admin, fleet, handlers, keys, score
 from router.config import AppConfig
 from router.edge import edge_middleware
 from router.errors import error_middleware
+from router.fastlane import FAST_PATH
 from router.kv_events import KV_EVENTS, kv_events_ctx
 from router.lifecycle import Lifecycle
 from router.metrics import RouterMetrics, metrics_middleware
@@ -58,7 +59,8 @@ def create_app(cfg: AppConfig, endpoints: Sequence[ReplicaEndpoint], tokenizer: 
     app[keys.TOKENIZER] = tokenizer
     app[keys.CORE] = make_core(cfg, endpoints)
     app.cleanup_ctx.extend([_http_session, _scraper, kv_events_ctx, state_sync_ctx])
-    app.router.add_post("/v1/completions", handlers.completions)
+    app.router.add_post(FAST_PATH, handlers.completions)
+    app[keys.FAST_HANDLER] = handlers.completions  # the same handler, when router.fastlane serves it
     app.router.add_post("/v1/chat/completions", handlers.chat_completions)
     app.router.add_post("/v1/score", score.score)
     app.router.add_get("/v1/models", handlers.models)

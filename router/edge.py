@@ -70,8 +70,7 @@ async def _receive(request: web.Request, max_bytes: int, timeout_s: float) -> by
         async with asyncio.timeout(timeout_s):
             return await request.read()
     except TimeoutError:
-        raise RequestTimeout(f"request body not received within {timeout_s:g} s (router.body_timeout_s)",
-                             param="body") from None
+        raise body_late(timeout_s) from None
     except web.HTTPRequestEntityTooLarge:
         raise PayloadTooLarge(f"request body is over {max_bytes} bytes (router.max_body_bytes)",
                               param="body") from None
@@ -79,6 +78,11 @@ async def _receive(request: web.Request, max_bytes: int, timeout_s: float) -> by
         detail = " ".join(str(exc).rpartition("message:")[2].split())
         param = ENCODING_PARAM if "content-encoding" in detail.lower() else "body"
         raise BadRequest(f"request body is malformed: {detail}", param=param) from None
+
+
+def body_late(timeout_s: float) -> RequestTimeout:
+    """The 408 of a body not received within ``timeout_s`` (``router.body_timeout_s``)."""
+    return RequestTimeout(f"request body not received within {timeout_s:g} s (router.body_timeout_s)", param="body")
 
 
 def body_of(request: web.Request) -> bytes:

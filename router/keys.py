@@ -22,3 +22,6 @@ HTTP = web.AppKey("http", aiohttp.ClientSession)
 TOKENIZER = web.AppKey("tokenizer", "router.tokenize.PromptTokenizer")
 LIFECYCLE = web.AppKey("lifecycle", "router.lifecycle.Lifecycle")
 WEIGHT_UPDATER = web.AppKey("weight_updater", "router.weights.updater.WeightUpdater")
+FAST_HANDLER = web.AppKey("fast_handler", object)
+"""The handler of ``router.fastlane.FAST_PATH`` (``router.handlers.completions``), which the fast
+lane runs inside the app's middlewares; set by ``create_app`` beside the route."""

@@ -16,6 +16,7 @@ from aiohttp import web
 
 from cache_policy.core import DecisionCore, Job
 from router.errors import with_router_param
+from router.fastlane import FastRequest
 from router.proxy import UpstreamResult, encode_body
 from router.weights.report import version_note
 
@@ -77,6 +78,9 @@ async def send_now(client: web.Request, resp: web.Response) -> None:
     handler returns is then a no-op). A client already gone is no error of the replica's:
     logged, and the handler returns as if it had been sent."""
     try:
+        if isinstance(client, FastRequest):  # served by router.fastlane: it frames the answer
+            client.answer(resp)
+            return
         await resp.prepare(client)
         await resp.write_eof()
     except ConnectionResetError:

@@ -20,9 +20,11 @@ from aiohttp.http_exceptions import HttpProcessingError
 from replicas.config import StartupError
 from replicas.replica_set import ReplicaEndpoint
 from replicas.served_model import model_source
+from router import keys
 from router.app import create_app
-from router.fleet import attach_fleet
 from router.config import AppConfig
+from router.fleet import attach_fleet
+from router.fastlane import close_lane, serve_lane
 from router.shutdown import install as install_shutdown
 from router.tokenize import PromptTokenizer
 
@@ -103,18 +105,27 @@ async def running_router(cfg: AppConfig, endpoints: Sequence[ReplicaEndpoint],
                            keepalive_timeout=r.header_timeout_s,
                            auto_decompress=False)  # the edge undoes Content-Encoding (router.content_encoding)
     await runner.setup()
+    lane = None
     try:
-        site = (web.TCPSite(runner, cfg.router.host, cfg.router.port) if sock is None
-                else web.SockSite(runner, sock))
-        await site.start()
+        if r.fast_lane:  # plain completions on a bare protocol, the rest handed to aiohttp
+            lane = await serve_lane(app, runner, app[keys.FAST_HANDLER], host=r.host, port=r.port, sock=sock,
+                                    max_head=r.max_header_bytes, max_body=r.max_body_bytes,
+                                    idle_s=r.header_timeout_s, body_s=r.body_timeout_s)
+            sockets = lane[0].sockets
+        else:
+            site = web.TCPSite(runner, r.host, r.port) if sock is None else web.SockSite(runner, sock)
+            await site.start()
+            sockets = site._server.sockets  # type: ignore[union-attr]
     except BaseException:
         await runner.cleanup()
         raise
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    host = cfg.router.host if ":" not in cfg.router.host else f"[{cfg.router.host}]"
+    port = sockets[0].getsockname()[1]
+    host = r.host if ":" not in r.host else f"[{r.host}]"
     try:
         yield f"http://{host}:{port}", app
     finally:
+        if lane is not None:
+            await close_lane(*lane)
         await _bounded_cleanup(runner)
 
 

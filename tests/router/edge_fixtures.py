@@ -8,6 +8,7 @@ and records every body it receives.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
@@ -41,6 +42,8 @@ def fake_replica_app(seen: list[dict[str, Any]]) -> web.Application:
     async def generate(request: web.Request) -> web.Response:
         body = await request.json()
         seen.append(body)
+        if "x_sleep_s" in body:  # a slow engine, for clients that leave mid-request
+            await asyncio.sleep(body["x_sleep_s"])
         if body.get("temperature", 0) < 0:
             return web.json_response({"error": VLLM_NULL_PARAM}, status=400)
         if isinstance(body.get("seed"), str):

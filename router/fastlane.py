@@ -1,0 +1,351 @@
+"""The fast lane: plain ``POST /v1/completions`` requests served on a bare asyncio protocol; every
+other request, and every connection once it sends one, served by aiohttp.
+
+Why: an aiohttp server costs a proxy about 0.37 ms per request over a bare uvloop protocol
+(``bench.h2h.ab``: the aiohttp server with ours' replica client vs ``bench.h2h.bare``), a third of
+what the router adds to a completion. The lane removes that cost for the request RL rollouts send
+most: a non-streamed completion.
+
+What the lane takes: a request whose head has arrived whole (at most ``router.max_header_bytes``)
+and says plainly ``POST /v1/completions HTTP/1.1``, without a query, in ASCII header lines with one
+``Content-Length`` of at most ``router.max_body_bytes`` and no ``Transfer-Encoding``,
+``Content-Encoding``, ``Expect`` or ``Upgrade``, and whose body does not hold the word ``"stream"``
+(a stream is relayed by aiohttp). Anything else hands the connection to aiohttp's own protocol
+(``aiohttp.web_protocol.RequestHandler``) with every byte not yet answered replayed: aiohttp then
+judges the request as if it had seen the connection from the start (its parser's 400s, its header
+and keep-alive timers, chunked and compressed bodies) and keeps the connection.
+
+The same rules, not a copy: a lane request runs through the app's own middlewares (drain,
+metrics, errors, edge) and its own handler, composed as aiohttp composes them, with
+:class:`FastRequest` standing in for aiohttp's request (the few attributes they read). What is
+the lane's own: the HTTP framing of the answer (:func:`encode_response`), the body deadline
+(``router.body_timeout_s``: the edge's 408), the idle deadline (``router.header_timeout_s``, as
+aiohttp's keep-alive timer), cancelling the handler when the client goes away (as aiohttp's
+``handler_cancellation``), and closing its connections on shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from http import HTTPStatus
+from typing import Any, Awaitable, Callable
+
+from aiohttp import web
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from router.edge import body_late
+from router.errors import error_response
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[Any], Awaitable[web.StreamResponse]]
+
+FAST_PATH = "/v1/completions"
+_REFUSED_HEADERS = frozenset({"transfer-encoding", "content-encoding", "expect", "upgrade"})
+_OWN_HEADERS = frozenset({"content-length", "transfer-encoding", "connection"})
+_CLOSE_SHUTDOWN_S = 5.0
+"""How long a stopping router waits for lane requests still running (aiohttp's shutdown_timeout)."""
+
+
+class _WholeBody:
+    """``request.content`` of a :class:`FastRequest`: its body has arrived whole."""
+
+    total_compressed_bytes = None
+
+    @staticmethod
+    def is_eof() -> bool:
+        return True
+
+
+class FastRequest(dict):
+    """The part of ``aiohttp.web.Request`` the middlewares and the completions handler read:
+    ``app``, ``method``, ``path``, ``headers`` (case-insensitive), ``body_exists``,
+    ``content_length``, ``content``, ``read()`` and item storage (``request[KEY]``). A handler
+    answering early (``router.responses.send_now``) calls :meth:`answer`."""
+
+    __slots__ = ("app", "headers", "_body", "_lane", "answered")
+    method = "POST"
+    path = FAST_PATH
+    body_exists = True
+    content = _WholeBody()
+
+    def __init__(self, app: web.Application, headers: CIMultiDictProxy[str], body: bytes, lane: FastLane) -> None:
+        super().__init__()
+        self.app, self.headers, self._body, self._lane = app, headers, body, lane
+        self.answered = False
+
+    @property
+    def content_length(self) -> int:
+        return len(self._body)
+
+    async def read(self) -> bytes:
+        return self._body
+
+    def answer(self, resp: web.Response) -> None:
+        """Write ``resp`` to the client now (once; the lane writes nothing more for it).
+        ConnectionResetError when the client is gone, as aiohttp's writer raises."""
+        if self.answered:
+            return
+        self.answered = True
+        self._lane.write_response(resp)
+
+
+def encode_response(resp: web.Response, *, close: bool) -> bytes:
+    """``resp`` as HTTP/1.1 bytes: status line, its headers, ``Content-Length``, ``Connection:
+    close`` when ``close``, then its body (``bytes``; a response of the router's is never a stream
+    here)."""
+    body = resp.body
+    if body is None:
+        body = b""
+    elif not isinstance(body, (bytes, bytearray)):
+        body = bytes(body._value) if hasattr(body, "_value") else b""  # aiohttp payload of bytes
+    reason = resp.reason or HTTPStatus(resp.status).phrase
+    lines = [f"HTTP/1.1 {resp.status} {reason}"]
+    lines.extend(f"{k}: {v}" for k, v in resp.headers.items() if k.lower() not in _OWN_HEADERS)
+    lines.append(f"Content-Length: {len(body)}")
+    if close:
+        lines.append("Connection: close")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + bytes(body)
+
+
+class FastLane(asyncio.Protocol):
+    """One client connection, served by the lane until a request it does not take arrives.
+
+    ``handler``: the app's middlewares composed over the completions handler
+    (:func:`chain`); ``aiohttp_protocol``: makes aiohttp's protocol for a handed-off connection
+    (the runner's ``web.Server``); ``lanes``: the connections the lane holds now (closed on
+    shutdown)."""
+
+    def __init__(self, app: web.Application, handler: Handler, aiohttp_protocol: Callable[[], asyncio.Protocol],
+                 lanes: set[FastLane], *, max_head: int, max_body: int, idle_s: float, body_s: float) -> None:
+        self.app, self.handler, self.aiohttp_protocol, self.lanes = app, handler, aiohttp_protocol, lanes
+        self.max_head, self.max_body, self.idle_s, self.body_s = max_head, max_body, idle_s, body_s
+        self.transport: asyncio.Transport | None = None
+        self.buffer = bytearray()
+        self.task: asyncio.Task | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._closing = False
+        self._close_after = False
+        """The request being served asked for ``Connection: close``."""
+        self._body_deadline: float | None = None
+        """When the body of the request whose head arrived must be in (loop time)."""
+
+    # -- asyncio.Protocol ------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self.lanes.add(self)
+        self._arm(self.idle_s, self._idle_close)
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        if self.task is None:
+            self._next()
+        elif len(self.buffer) > self.max_head + self.max_body:  # pipelined past any one request: wait
+            self.transport.pause_reading()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._closing = True
+        self.lanes.discard(self)
+        self._disarm()
+        if self.task is not None and not self.task.done():
+            self.task.cancel()  # the client went away: as aiohttp's handler_cancellation, vLLM aborts
+
+    # -- one request at a time -------------------------------------------------------------
+
+    def _next(self) -> None:
+        """Take the next request in the buffer: serve it, wait for its body, or hand off."""
+        self._disarm()
+        if self._closing:
+            return
+        if not self.buffer:
+            self._arm(self.idle_s, self._idle_close)
+            return
+        end = self.buffer.find(b"\r\n\r\n", 0, self.max_head + 4)
+        if end < 0:  # a head arriving in pieces, or too long: aiohttp's parser and timers judge it
+            self._hand_off()
+            return
+        head = _parse_head(bytes(self.buffer[:end]), self.max_body)
+        if head is None:
+            self._hand_off()
+            return
+        headers, length, close = head
+        start = end + 4
+        if len(self.buffer) < start + length:  # the rest of the body is on its way: one deadline from the head
+            loop = asyncio.get_running_loop()
+            if self._body_deadline is None:
+                self._body_deadline = loop.time() + self.body_s
+            self._arm(self._body_deadline - loop.time(), self._body_late)
+            return
+        self._body_deadline = None
+        body = bytes(self.buffer[start:start + length])
+        if b'"stream"' in body:  # relayed by aiohttp (router.proxy.relay_stream)
+            self._hand_off()
+            return
+        del self.buffer[:start + length]
+        request = FastRequest(self.app, headers, body, self)
+        self._close_after = close
+        self.task = asyncio.get_running_loop().create_task(self._serve(request))
+
+    async def _serve(self, request: FastRequest) -> None:
+        try:
+            resp = await self.handler(request)
+        except asyncio.CancelledError:
+            return  # the client left (counted 499 by the metrics middleware)
+        except Exception:  # noqa: BLE001 - the error middleware answers everything inside it
+            log.exception("fast lane: unexpected error serving %s", FAST_PATH)
+            resp, self._close_after = _internal_error(), True
+        finally:
+            self.task = None
+        try:
+            if not request.answered:
+                request.answered = True
+                self.write_response(resp)
+        except ConnectionResetError:
+            return
+        if self._close_after:
+            self._close()
+        elif self.transport is not None and not self._closing:
+            self.transport.resume_reading()
+            self._next()
+
+    def write_response(self, resp: web.Response, *, close: bool = False) -> None:
+        """Write ``resp`` whole (``Connection: close`` when ``close`` or the request asked for
+        it); ConnectionResetError when the connection is closed."""
+        if self.transport is None or self.transport.is_closing():
+            raise ConnectionResetError("the client closed the connection")
+        self.transport.write(encode_response(resp, close=close or self._close_after))
+
+    # -- timers, hand-off, close -----------------------------------------------------------
+
+    def _arm(self, seconds: float, callback: Callable[[], None]) -> None:
+        self._disarm()
+        self._timer = asyncio.get_running_loop().call_later(max(seconds, 0.0), callback)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _idle_close(self) -> None:
+        if self.task is None and not self.buffer:
+            self._close()
+
+    def _body_late(self) -> None:
+        """The body did not arrive within ``router.body_timeout_s``: the edge's 408, then close."""
+        if self.task is None:
+            exc = body_late(self.body_s)
+            try:
+                self.write_response(error_response(exc.status, exc.message, param=exc.param), close=True)
+            except ConnectionResetError:
+                pass
+            self._close()
+
+    def _hand_off(self) -> None:
+        """aiohttp's protocol takes the connection from here, with the bytes not yet answered."""
+        self._disarm()
+        self.lanes.discard(self)
+        transport, data = self.transport, bytes(self.buffer)
+        self.buffer.clear()
+        self.transport = None
+        self._closing = True
+        protocol = self.aiohttp_protocol()
+        transport.set_protocol(protocol)
+        protocol.connection_made(transport)
+        transport.resume_reading()
+        if data:
+            protocol.data_received(data)
+
+    def _close(self) -> None:
+        self._closing = True
+        self._disarm()
+        if self.transport is not None:
+            self.transport.close()
+
+    async def shutdown(self, timeout_s: float = _CLOSE_SHUTDOWN_S) -> None:
+        """Let a request still running finish (up to ``timeout_s``), then close."""
+        task = self.task
+        if task is not None and not task.done():
+            await asyncio.wait({task}, timeout=timeout_s)
+            task.cancel()
+        self._close()
+
+
+def _parse_head(head: bytes, max_body: int) -> tuple[CIMultiDictProxy[str], int, bool] | None:
+    """``(headers, content_length, close)`` of a head the lane takes (module doc); None otherwise."""
+    if not head.isascii():
+        return None
+    lines = head.split(b"\r\n")
+    if lines[0] != b"POST " + FAST_PATH.encode() + b" HTTP/1.1":
+        return None
+    headers: CIMultiDict[str] = CIMultiDict()
+    length: int | None = None
+    close = False
+    for line in lines[1:]:
+        name, colon, value = line.partition(b":")
+        if not colon or not name or name != name.strip() or b" " in name or b"\t" in name:
+            return None  # obs-fold, a space before the colon, an empty name: aiohttp's to refuse
+        text = value.strip(b" \t").decode("ascii")
+        if not text.isprintable():
+            return None
+        key = name.decode("ascii")
+        lower = key.lower()
+        if lower in _REFUSED_HEADERS:
+            return None
+        if lower == "content-length":
+            if length is not None or not text.isdigit() or len(text) > 12:
+                return None
+            length = int(text)
+        elif lower == "connection":
+            tokens = {t.strip().lower() for t in text.split(",")}
+            if "upgrade" in tokens:
+                return None
+            close = "close" in tokens
+        headers.add(key, text)
+    if length is None or length > max_body:
+        return None
+    return CIMultiDictProxy(headers), length, close
+
+
+def _internal_error() -> web.Response:
+    return error_response(500, "internal error: the router logged it; please report it")
+
+
+def chain(app: web.Application, handler: Handler) -> Handler:
+    """``handler`` inside the app's middlewares, outermost first, as aiohttp calls them."""
+    for middleware in reversed(app.middlewares):
+        handler = functools.partial(middleware, handler=handler)
+    return handler
+
+
+async def serve_lane(app: web.Application, runner: web.AppRunner, handler: Handler, *, host: str, port: int,
+                     sock: Any = None, max_head: int, max_body: int, idle_s: float,
+                     body_s: float) -> tuple[asyncio.AbstractServer, set[FastLane]]:
+    """Listen on ``host:port`` (or ``sock``) with the lane in front of ``runner``'s aiohttp server;
+    the server and the set of lane connections (:func:`close_lane` stops both)."""
+    lanes: set[FastLane] = set()
+    aiohttp_protocol = runner.server
+    assert aiohttp_protocol is not None, "bug: serve_lane() before runner.setup()"
+    chained = chain(app, handler)
+
+    def factory() -> FastLane:
+        return FastLane(app, chained, aiohttp_protocol, lanes, max_head=max_head, max_body=max_body,
+                        idle_s=idle_s, body_s=body_s)
+
+    loop = asyncio.get_running_loop()
+    if sock is not None:
+        server = await loop.create_server(factory, sock=sock)
+    else:
+        server = await loop.create_server(factory, host, port, reuse_address=True)
+    return server, lanes
+
+
+async def close_lane(server: asyncio.AbstractServer, lanes: set[FastLane]) -> None:
+    """Stop listening, then let each lane connection's request finish (bounded) and close it."""
+    server.close()
+    await asyncio.gather(*(lane.shutdown() for lane in list(lanes)), return_exceptions=True)
+
+
+__all__ = ["FAST_PATH", "FastLane", "FastRequest", "chain", "close_lane", "encode_response", "serve_lane"]

@@ -1,0 +1,251 @@
+"""The fast lane (``router.fastlane``): plain non-streamed completions on a bare protocol, every
+other request handed to aiohttp with its bytes replayed. Real router, real HTTP on loopback, raw
+sockets where the framing matters, a fake replica (tests/router/edge_fixtures.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from urllib.parse import urlsplit
+
+import aiohttp
+import pytest
+
+from router import keys
+from router.fastlane import _parse_head
+from tests.router.edge_fixtures import edge_router, fake_replica
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+AIOHTTP_SERVER = b"Server: Python/"
+"""aiohttp writes ``Server: Python/3.x aiohttp/...`` on every answer; the lane writes no Server header."""
+
+
+def completion(prompt: list[int], *, extra: dict | None = None, headers: bytes = b"") -> bytes:
+    body = json.dumps({"prompt": prompt, "max_tokens": 1, **(extra or {})}).encode()
+    return (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" + headers
+            + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+
+
+class Conn:
+    """One raw client connection: write bytes as they are, read answers one by one."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+
+    @classmethod
+    async def open(cls, url: str) -> Conn:
+        parts = urlsplit(url)
+        return cls(*await asyncio.open_connection(parts.hostname, parts.port))
+
+    async def send(self, data: bytes) -> None:
+        self.writer.write(data)
+        await self.writer.drain()
+
+    async def answer(self, timeout: float = 10.0) -> tuple[int, bytes, bytes]:
+        """``(status, head, body)`` of the next final answer (Content-Length framed; a 100 Continue skipped)."""
+        head = await asyncio.wait_for(self.reader.readuntil(b"\r\n\r\n"), timeout)
+        if head.startswith(b"HTTP/1.1 100 "):
+            head = await asyncio.wait_for(self.reader.readuntil(b"\r\n\r\n"), timeout)
+        length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                       if line.lower().startswith(b"content-length:")), 0)
+        body = await asyncio.wait_for(self.reader.readexactly(length), timeout)
+        return int(head.split()[1]), head, body
+
+    async def closed_by_server(self, timeout: float = 10.0) -> bool:
+        return await asyncio.wait_for(self.reader.read(1), timeout) == b""
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+async def test_a_plain_completion_is_served_by_the_lane_with_the_same_answer_as_aiohttp():
+    async with fake_replica() as replica:
+        answers = {}
+        for lane in (True, False):
+            async with edge_router(replica, fast_lane=lane) as (url, _):
+                conn = await Conn.open(url)
+                await conn.send(completion([5, 6, 7]))
+                status, head, body = await conn.answer()
+                conn.close()
+                answers[lane] = (status, head, json.loads(body))
+        (s1, h1, b1), (s0, h0, b0) = answers[True], answers[False]
+        assert (s1, s0) == (200, 200)
+        assert AIOHTTP_SERVER not in h1 and AIOHTTP_SERVER in h0
+        assert b1 == b0  # the same annotated answer, byte for byte once decoded
+        for name in (b"X-Rollout-Replica: replica-0", b"X-Rollout-Route-Reason:", b"Content-Type: application/json"):
+            assert name in h1 and name in h0
+        assert replica.bodies[0] == replica.bodies[1]  # the replica saw the same request both ways
+
+
+async def test_pipelined_completions_are_answered_in_order_on_one_connection():
+    async with fake_replica() as replica, edge_router(replica) as (url, _):
+        conn = await Conn.open(url)
+        await conn.send(b"".join(completion([5, 6, 7 + k]) for k in range(3)))
+        for k in range(3):
+            status, head, body = await conn.answer()
+            assert status == 200 and AIOHTTP_SERVER not in head
+            assert json.loads(body)["usage"]["prompt_tokens"] == 3
+        conn.close()
+        assert [b["prompt"] for b in replica.bodies] == [[5, 6, 7], [5, 6, 8], [5, 6, 9]]
+
+
+async def test_any_other_request_hands_the_connection_to_aiohttp_with_its_bytes():
+    """A completion (lane), then GET /health and a completion pipelined in one write: aiohttp
+    answers both from the replayed bytes, in order, and keeps the connection."""
+    async with fake_replica() as replica, edge_router(replica) as (url, _):
+        conn = await Conn.open(url)
+        await conn.send(completion([5, 6]))
+        status, head, _ = await conn.answer()
+        assert status == 200 and AIOHTTP_SERVER not in head
+        await conn.send(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n" + completion([8, 9]))
+        status, head, body = await conn.answer()
+        assert status == 200 and AIOHTTP_SERVER in head and b"replicas" in body
+        status, head, body = await conn.answer()
+        assert status == 200 and AIOHTTP_SERVER in head and json.loads(body)["usage"]["prompt_tokens"] == 2
+        conn.close()
+
+
+BODY = b'{"prompt": [5, 6], "max_tokens": 1}'
+
+
+@pytest.mark.parametrize("request_bytes", [
+    completion([5, 6], extra={"stream": False}),  # the word "stream": relayed by aiohttp
+    completion([5, 6], headers=b"Expect: 100-continue\r\n"),
+    b"POST /v1/completions?x=1 HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(BODY), BODY),
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n"
+    % (len(BODY), BODY),
+    b"POST /v1/completions HTTP/1.0\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(BODY), BODY),
+], ids=["stream-false", "expect", "query", "chunked", "http-1.0"])
+async def test_requests_the_lane_does_not_take_are_answered_by_aiohttp(request_bytes):
+    async with fake_replica() as replica, edge_router(replica) as (url, _):
+        conn = await Conn.open(url)
+        await conn.send(request_bytes)
+        status, head, body = await conn.answer()
+        conn.close()
+        assert AIOHTTP_SERVER in head
+        assert status == 200, body
+        assert json.loads(body)["usage"]["prompt_tokens"] == 2
+
+
+async def test_a_head_in_pieces_goes_to_aiohttp_which_waits_for_the_rest():
+    async with fake_replica() as replica, edge_router(replica) as (url, _):
+        conn = await Conn.open(url)
+        data = completion([5, 6, 7])
+        await conn.send(data[:20])
+        await asyncio.sleep(0.2)
+        await conn.send(data[20:])
+        status, head, _ = await conn.answer()
+        conn.close()
+        assert status == 200 and AIOHTTP_SERVER in head
+
+
+async def test_a_body_in_pieces_is_waited_for_and_a_late_one_is_the_edges_408():
+    async with fake_replica() as replica, edge_router(replica, body_timeout_s=1.0) as (url, _):
+        conn = await Conn.open(url)
+        data = completion([5, 6, 7])
+        cut = data.index(b"\r\n\r\n") + 10
+        await conn.send(data[:cut])
+        await asyncio.sleep(0.1)
+        await conn.send(data[cut:])
+        status, head, _ = await conn.answer()
+        assert status == 200 and AIOHTTP_SERVER not in head  # still the lane's
+        started = asyncio.get_running_loop().time()
+        await conn.send(completion([5, 6, 7])[:cut])  # the rest of the body trickles, then never comes
+        for _ in range(3):
+            await asyncio.sleep(0.25)
+            await conn.send(b" ")
+        status, head, body = await conn.answer(timeout=5)
+        assert asyncio.get_running_loop().time() - started < 1.6  # one deadline from the head (1 s), not per byte (1.75 s)
+        assert status == 408 and json.loads(body)["error"]["param"] == "body"
+        assert b"router.body_timeout_s" in body and b"Connection: close" in head
+        assert await conn.closed_by_server()
+        conn.close()
+        assert len(replica.bodies) == 1
+
+
+async def test_an_idle_lane_connection_is_closed_after_the_header_timeout():
+    async with fake_replica() as replica, edge_router(replica, header_timeout_s=0.5) as (url, _):
+        conn = await Conn.open(url)
+        await conn.send(completion([5, 6]))
+        assert (await conn.answer())[0] == 200
+        started = asyncio.get_running_loop().time()
+        assert await conn.closed_by_server(timeout=5)
+        assert 0.3 < asyncio.get_running_loop().time() - started < 3
+        conn.close()
+
+
+async def test_connection_close_is_honoured():
+    async with fake_replica() as replica, edge_router(replica) as (url, _):
+        conn = await Conn.open(url)
+        await conn.send(completion([5, 6], headers=b"Connection: close\r\n"))
+        status, head, _ = await conn.answer()
+        assert status == 200 and b"Connection: close" in head
+        assert await conn.closed_by_server()
+        conn.close()
+
+
+async def test_a_client_leaving_mid_request_cancels_it_and_leaves_nothing_behind():
+    async with fake_replica() as replica, edge_router(replica) as (url, app):
+        conn = await Conn.open(url)
+        await conn.send(completion([5, 6], extra={"x_sleep_s": 5}))
+        for _ in range(100):
+            if replica.bodies:
+                break
+            await asyncio.sleep(0.02)
+        assert replica.bodies, "the request never reached the replica"
+        conn.close()
+        life = app[keys.LIFECYCLE]
+        for _ in range(100):
+            if not any(life.flights.values()):
+                break
+            await asyncio.sleep(0.02)
+        assert not any(life.flights.values())
+        async with aiohttp.ClientSession() as http, http.get(url + "/metrics") as r:
+            text = await r.text()
+        assert 'rollout_router_requests_total{endpoint="completions",status="499"} 1.0' in text
+
+
+async def test_the_routers_own_refusals_come_back_through_the_lane():
+    async with fake_replica() as replica, edge_router(replica, api_keys={"k1": None}) as (url, _):
+        conn = await Conn.open(url)
+        await conn.send(completion([5, 6]))
+        status, head, body = await conn.answer()
+        assert status == 401 and AIOHTTP_SERVER not in head and json.loads(body)["error"]["code"] == 401
+        await conn.send(completion([5, 6], headers=b"Authorization: Bearer k1\r\n", extra={"n": 10**6}))
+        status, _, body = await conn.answer()
+        assert status == 400 and json.loads(body)["error"]["param"] == "n"
+        await conn.send(completion([], headers=b"Authorization: Bearer k1\r\n"))
+        status, _, body = await conn.answer()
+        assert status == 400 and json.loads(body)["error"]["param"] == "prompt"
+        conn.close()
+        assert replica.bodies == []
+
+
+async def test_a_stopping_router_closes_its_lane_connections():
+    async with fake_replica() as replica:
+        async with edge_router(replica) as (url, _):
+            conn = await Conn.open(url)
+            await conn.send(completion([5, 6]))
+            assert (await conn.answer())[0] == 200
+        assert await conn.closed_by_server(timeout=10)
+        conn.close()
+
+
+@pytest.mark.parametrize("head, taken", [
+    (b"POST /v1/completions HTTP/1.1\r\nContent-Length: 5", True),
+    (b"POST /v1/completions HTTP/1.1\r\ncontent-length: 5\r\nX-Session-Id: s", True),
+    (b"POST /v1/completions HTTP/1.1\r\nHost: x", False),  # no length
+    (b"POST /v1/completions HTTP/1.1\r\nContent-Length: 5\r\nContent-Length: 5", False),
+    (b"POST /v1/completions HTTP/1.1\r\nContent-Length: +5", False),
+    (b"POST /v1/completions HTTP/1.1\r\nContent-Length: 5\r\n folded", False),
+    (b"POST /v1/completions HTTP/1.1\r\nContent-Length : 5", False),
+    (b"POST /v1/completions HTTP/1.1\r\nContent-Length: 5\r\nX: \xc3\xa9", False),
+    (b"POST /v1/completions HTTP/1.1\r\nContent-Length: 5\r\nContent-Encoding: gzip", False),
+    (b"POST /v1/completions HTTP/1.1\r\nContent-Length: 5\r\nConnection: Upgrade", False),
+    (b"POST /v1/completions HTTP/1.1\r\nContent-Length: 99999999999", False),  # past max_body
+    (b"post /v1/completions HTTP/1.1\r\nContent-Length: 5", False),
+    (b"POST /v1/chat/completions HTTP/1.1\r\nContent-Length: 5", False),
+])
+async def test_the_lane_takes_only_plain_heads(head, taken):
+    assert (_parse_head(head, max_body=1 << 20) is not None) is taken
