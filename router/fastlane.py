@@ -9,8 +9,8 @@ most: a non-streamed completion.
 What the lane takes: a request whose head has arrived whole (at most ``router.max_header_bytes``)
 and says plainly ``POST /v1/completions HTTP/1.1``, without a query, in ASCII header lines with one
 ``Content-Length`` of at most ``router.max_body_bytes`` and no ``Transfer-Encoding``,
-``Content-Encoding``, ``Expect`` or ``Upgrade``, and whose body does not hold the word ``"stream"``
-(a stream is relayed by aiohttp). Anything else hands the connection to aiohttp's own protocol
+``Content-Encoding``, ``Expect`` or ``Upgrade``, and whose body holds neither the word ``"stream"``
+(a stream is relayed by aiohttp) nor a ``\\u`` escape (which could spell that key). Anything else hands the connection to aiohttp's own protocol
 (``aiohttp.web_protocol.RequestHandler``) with every byte not yet answered replayed: aiohttp then
 judges the request as if it had seen the connection from the start (its parser's 400s, its header
 and keep-alive timers, chunked and compressed bodies) and keeps the connection.
@@ -181,8 +181,8 @@ class FastLane(asyncio.Protocol):
             return
         self._body_deadline = None
         body = bytes(self.buffer[start:start + length])
-        if b'"stream"' in body:  # relayed by aiohttp (router.proxy.relay_stream)
-            self._hand_off()
+        if b'"stream"' in body or b"\\u" in body:  # a stream (relay_stream) is aiohttp's; so is any body
+            self._hand_off()                            # whose keys could spell "stream" with a \u escape
             return
         del self.buffer[:start + length]
         request = FastRequest(self.app, headers, body, self)

@@ -111,12 +111,14 @@ BODY = b'{"prompt": [5, 6], "max_tokens": 1}'
 
 @pytest.mark.parametrize("request_bytes", [
     completion([5, 6], extra={"stream": False}),  # the word "stream": relayed by aiohttp
+    completion([5, 6], headers=b"").replace(b'"max_tokens"', b'"str\\u0065am": false, "max_tokens"').replace(
+        b"Content-Length: 35", b"Content-Length: %d" % (35 + len(b'"str\\u0065am": false, '))),
     completion([5, 6], headers=b"Expect: 100-continue\r\n"),
     b"POST /v1/completions?x=1 HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(BODY), BODY),
     b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n"
     % (len(BODY), BODY),
     b"POST /v1/completions HTTP/1.0\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(BODY), BODY),
-], ids=["stream-false", "expect", "query", "chunked", "http-1.0"])
+], ids=["stream-false", "escaped-stream-key", "expect", "query", "chunked", "http-1.0"])
 async def test_requests_the_lane_does_not_take_are_answered_by_aiohttp(request_bytes):
     async with fake_replica() as replica, edge_router(replica) as (url, _):
         conn = await Conn.open(url)
