@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import re
 from http import HTTPStatus
 from typing import Any, Awaitable, Callable
 
@@ -131,6 +132,9 @@ class FastLane(asyncio.Protocol):
         """The request being served asked for ``Connection: close``."""
         self._body_deadline: float | None = None
         """When the body of the request whose head arrived must be in (loop time)."""
+        self._head: tuple[int, CIMultiDictProxy[str], int, bool] | None = None
+        """The head of the request whose body is awaited: where its body starts, its headers,
+        ``Content-Length`` and ``Connection: close``."""
 
     # -- asyncio.Protocol ------------------------------------------------------------------
 
@@ -163,26 +167,29 @@ class FastLane(asyncio.Protocol):
         if not self.buffer:
             self._arm(self.idle_s, self._idle_close)
             return
-        end = self.buffer.find(b"\r\n\r\n", 0, self.max_head + 4)
-        if end < 0:  # a head arriving in pieces, or too long: aiohttp's parser and timers judge it
-            self._hand_off()
-            return
-        head = _parse_head(bytes(self.buffer[:end]), self.max_body)
-        if head is None:
-            self._hand_off()
-            return
-        headers, length, close = head
-        start = end + 4
+        if self._head is None:  # parsed once, however many reads its body takes
+            end = self.buffer.find(b"\r\n\r\n", 0, self.max_head + 4)
+            if end < 0:  # a head arriving in pieces, or too long: aiohttp's parser and timers judge it
+                self._hand_off()
+                return
+            head = _parse_head(bytes(self.buffer[:end]), self.max_body)
+            if head is None:
+                self._hand_off()
+                return
+            self._head = (end + 4, *head)
+        start, headers, length, close = self._head
         if len(self.buffer) < start + length:  # the rest of the body is on its way: one deadline from the head
             loop = asyncio.get_running_loop()
             if self._body_deadline is None:
                 self._body_deadline = loop.time() + self.body_s
             self._arm(self._body_deadline - loop.time(), self._body_late)
             return
-        self._body_deadline = None
+        self._body_deadline = self._head = None
         body = bytes(self.buffer[start:start + length])
-        if b'"stream"' in body or b"\\u" in body:  # a stream (relay_stream) is aiohttp's; so is any body
-            self._hand_off()                            # whose keys could spell "stream" with a \u escape
+        # a stream (relay_stream) is aiohttp's; so is a body whose keys could spell "stream" with a \u
+        # escape (memchr for the backslash first: CPython's two-byte search takes ~35 us on 20 KB)
+        if b'"stream"' in body or (b"\\" in body and b"\\u" in body):
+            self._hand_off()
             return
         del self.buffer[:start + length]
         request = FastRequest(self.app, headers, body, self)
@@ -273,40 +280,46 @@ class FastLane(asyncio.Protocol):
         self._close()
 
 
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+"""An HTTP field name (RFC 9110 token)."""
+_REQUEST_LINE = f"POST {FAST_PATH} HTTP/1.1"
+
+
 def _parse_head(head: bytes, max_body: int) -> tuple[CIMultiDictProxy[str], int, bool] | None:
     """``(headers, content_length, close)`` of a head the lane takes (module doc); None otherwise."""
-    if not head.isascii():
+    try:
+        text = head.decode("ascii")
+    except UnicodeDecodeError:
         return None
-    lines = head.split(b"\r\n")
-    if lines[0] != b"POST " + FAST_PATH.encode() + b" HTTP/1.1":
+    lines = text.split("\r\n")
+    if lines[0] != _REQUEST_LINE:
         return None
-    headers: CIMultiDict[str] = CIMultiDict()
+    pairs: list[tuple[str, str]] = []
     length: int | None = None
     close = False
     for line in lines[1:]:
-        name, colon, value = line.partition(b":")
-        if not colon or not name or name != name.strip() or b" " in name or b"\t" in name:
-            return None  # obs-fold, a space before the colon, an empty name: aiohttp's to refuse
-        text = value.strip(b" \t").decode("ascii")
-        if not text.isprintable():
+        name, colon, value = line.partition(":")
+        if not colon or _TOKEN.fullmatch(name) is None:
+            return None  # obs-fold, a space before the colon, an empty or odd name: aiohttp's to refuse
+        value = value.strip(" \t")
+        if not value.isprintable():
             return None
-        key = name.decode("ascii")
-        lower = key.lower()
+        lower = name.lower()
         if lower in _REFUSED_HEADERS:
             return None
         if lower == "content-length":
-            if length is not None or not text.isdigit() or len(text) > 12:
+            if length is not None or not value.isdigit() or len(value) > 12:
                 return None
-            length = int(text)
+            length = int(value)
         elif lower == "connection":
-            tokens = {t.strip().lower() for t in text.split(",")}
+            tokens = {t.strip().lower() for t in value.split(",")}
             if "upgrade" in tokens:
                 return None
             close = "close" in tokens
-        headers.add(key, text)
+        pairs.append((name, value))
     if length is None or length > max_body:
         return None
-    return CIMultiDictProxy(headers), length, close
+    return CIMultiDictProxy(CIMultiDict(pairs)), length, close
 
 
 def _internal_error() -> web.Response:

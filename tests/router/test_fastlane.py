@@ -242,6 +242,7 @@ async def test_a_stopping_router_closes_its_lane_connections():
     (b"POST /v1/completions HTTP/1.1\r\nContent-Length: +5", False),
     (b"POST /v1/completions HTTP/1.1\r\nContent-Length: 5\r\n folded", False),
     (b"POST /v1/completions HTTP/1.1\r\nContent-Length : 5", False),
+    (b"POST /v1/completions HTTP/1.1\r\nContent-Length: 5\r\nX(y): 1", False),
     (b"POST /v1/completions HTTP/1.1\r\nContent-Length: 5\r\nX: \xc3\xa9", False),
     (b"POST /v1/completions HTTP/1.1\r\nContent-Length: 5\r\nContent-Encoding: gzip", False),
     (b"POST /v1/completions HTTP/1.1\r\nContent-Length: 5\r\nConnection: Upgrade", False),
