@@ -98,6 +98,21 @@ put_le64(unsigned char *p, uint64_t v)
     for (int k = 0; k < 8; k++) p[k] = (unsigned char)(v >> (8 * k));
 }
 
+/* The hash of one block whose tokens are already at scratch + 8 (le u32 each, ``stride`` bytes):
+   xxh3_64(le_u64(parent) || tokens || salt on block 0, seed). ``scratch`` has room for the salt. */
+static inline uint64_t
+hash_block(unsigned char *scratch, uint64_t parent, Py_ssize_t stride, int first, const char *salt,
+           Py_ssize_t salt_len, uint64_t seed)
+{
+    put_le64(scratch, parent);
+    size_t len = (size_t)(8 + stride);
+    if (first && salt_len > 0) {
+        memcpy(scratch + len, salt, (size_t)salt_len);
+        len += (size_t)salt_len;
+    }
+    return XXH3_64bits_withSeed(scratch, len, (XXH64_hash_t)seed);
+}
+
 PyDoc_STRVAR(hash_chain_doc,
 "hash_chain(ids, block_size, parent, salt, seed, /)\n--\n\n"
 "The chained hashes of the full blocks of ``ids`` (a list or tuple of token IDs), as\n"
@@ -150,13 +165,7 @@ hash_chain(PyObject *module, PyObject *args)
             }
             put_le32(scratch + 8 + 4 * k, t);
         }
-        put_le64(scratch, h);
-        size_t len = (size_t)(8 + stride);
-        if (b == 0 && salt_len > 0) {
-            memcpy(scratch + len, salt, (size_t)salt_len);
-            len += (size_t)salt_len;
-        }
-        h = XXH3_64bits_withSeed(scratch, len, (XXH64_hash_t)seed);
+        h = hash_block(scratch, h, stride, b == 0, salt, salt_len, (uint64_t)seed);
         PyObject *value = PyLong_FromUnsignedLongLong(h);
         if (value == NULL) {
             goto fail;
@@ -222,14 +231,8 @@ hash_packed(PyObject *module, PyObject *args)
     uint64_t h = (uint64_t)parent;
     const unsigned char *tokens = (const unsigned char *)buf.buf;
     for (Py_ssize_t b = 0; b < blocks; b++) {
-        put_le64(scratch, h);
         memcpy(scratch + 8, tokens + b * stride, (size_t)stride);
-        size_t len = (size_t)(8 + stride);
-        if (b == 0 && salt_len > 0) {
-            memcpy(scratch + len, salt, (size_t)salt_len);
-            len += (size_t)salt_len;
-        }
-        h = XXH3_64bits_withSeed(scratch, len, (XXH64_hash_t)seed);
+        h = hash_block(scratch, h, stride, b == 0, salt, salt_len, (uint64_t)seed);
         PyObject *value = PyLong_FromUnsignedLongLong(h);
         if (value == NULL) {
             Py_CLEAR(out);

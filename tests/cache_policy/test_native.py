@@ -6,6 +6,7 @@ and without it (``NATIVE`` set to None is the pure-Python path a machine without
 
 from __future__ import annotations
 
+from array import array
 from contextlib import contextmanager
 
 import numpy as np
@@ -50,6 +51,11 @@ def test_hash_chain_is_the_python_chain(ids, block_size, parent, seed, salt):
     want = _hash_chain(_pack_tokens(ids), block_size, parent, salt, seed)
     assert NATIVE.hash_chain(ids, block_size, parent, salt, seed) == want
     assert NATIVE.hash_chain(tuple(ids), block_size, parent, salt, seed) == want
+    # hash_packed: the same chain from IDs already packed, as bytes or as a TokenIds prompt's array
+    assert NATIVE.hash_packed(_pack_tokens(ids), block_size, parent, salt, seed) == want
+    packed = array(hashing._PACKED_U32, ids)
+    assert NATIVE.hash_packed(packed, block_size, parent, salt, seed) == want
+    assert hashing._chain(packed, block_size, parent, salt, seed) == want
     assert len(want) == len(ids) // block_size
 
 
@@ -117,19 +123,6 @@ def test_the_routers_id_checks_are_the_same_without_the_extension(ids):
         assert run() == with_native
     assert with_native[0] == all(type(t) is int for t in ids)
     assert with_native[2] == ((min(ids), max(ids)) if with_native[0] else None)
-
-
-@needs_native
-@settings(max_examples=300, deadline=None)
-@given(ids=st.lists(U32, max_size=200), block_size=st.integers(1, 20), parent=U64, seed=U64,
-       salt=st.one_of(st.just(b""), st.binary(min_size=1, max_size=40)))
-def test_hash_packed_is_the_python_chain_of_the_same_ids(ids, block_size, parent, seed, salt):
-    from array import array
-    want = _hash_chain(_pack_tokens(ids), block_size, parent, salt, seed)
-    assert NATIVE.hash_packed(_pack_tokens(ids), block_size, parent, salt, seed) == want
-    packed = array(hashing._PACKED_U32, ids)  # what a TokenIds prompt holds
-    assert NATIVE.hash_packed(packed, block_size, parent, salt, seed) == want
-    assert hashing._chain(packed, block_size, parent, salt, seed) == want
 
 
 @needs_native
