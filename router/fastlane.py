@@ -95,13 +95,11 @@ class FastRequest(dict):
 
 def encode_response(resp: web.Response, *, close: bool) -> bytes:
     """``resp`` as HTTP/1.1 bytes: status line, its headers, ``Content-Length``, ``Connection:
-    close`` when ``close``, then its body (``bytes``; a response of the router's is never a stream
-    here)."""
-    body = resp.body
-    if body is None:
-        body = b""
-    elif not isinstance(body, (bytes, bytearray)):
-        body = bytes(body._value) if hasattr(body, "_value") else b""  # aiohttp payload of bytes
+    close`` when ``close``, then its body (``bytes``: TypeError for a streamed or payload body,
+    which no answer of the completions handler has)."""
+    body = resp.body if resp.body is not None else b""
+    if not isinstance(body, (bytes, bytearray)):
+        raise TypeError(f"the fast lane frames whole bodies only, not {type(body).__name__}")
     reason = resp.reason or HTTPStatus(resp.status).phrase
     lines = [f"HTTP/1.1 {resp.status} {reason}"]
     lines.extend(f"{k}: {v}" for k, v in resp.headers.items() if k.lower() not in _OWN_HEADERS)
@@ -206,6 +204,9 @@ class FastLane(asyncio.Protocol):
             resp, self._close_after = _internal_error(), True
         finally:
             self.task = None
+        if not request.answered and not isinstance(getattr(resp, "body", None), (bytes, bytearray)):
+            log.error("fast lane: %s answered %r, which the lane cannot frame", FAST_PATH, resp)  # a bug
+            resp, self._close_after = _internal_error(), True
         try:
             if not request.answered:
                 request.answered = True
