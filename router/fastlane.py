@@ -30,14 +30,17 @@ import asyncio
 import functools
 import logging
 import re
+import time
 from http import HTTPStatus
 from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from router import keys
 from router.edge import body_late
 from router.errors import error_response
+from router.metrics import ENDPOINT_PATHS
 
 log = logging.getLogger(__name__)
 
@@ -125,8 +128,10 @@ class FastLane(asyncio.Protocol):
     shutdown)."""
 
     def __init__(self, app: web.Application, handler: Handler, aiohttp_protocol: Callable[[], asyncio.Protocol],
-                 lanes: set[FastLane], *, max_head: int, max_body: int, idle_s: float, body_s: float) -> None:
+                 lanes: set[FastLane], *, max_head: int, max_body: int, idle_s: float, body_s: float,
+                 head_check: Callable[[CIMultiDictProxy[str]], bool] = lambda _: True) -> None:
         self.app, self.handler, self.aiohttp_protocol, self.lanes = app, handler, aiohttp_protocol, lanes
+        self.head_check = head_check
         self.max_head, self.max_body, self.idle_s, self.body_s = max_head, max_body, idle_s, body_s
         self.transport: asyncio.Transport | None = None
         self.buffer = bytearray()
@@ -140,6 +145,9 @@ class FastLane(asyncio.Protocol):
         self._head: tuple[int, CIMultiDictProxy[str], int, bool] | None = None
         """The head of the request whose body is awaited: where its body starts, its headers,
         ``Content-Length`` and ``Connection: close``."""
+        self._head_at = 0.0
+        """When that head arrived (``time.perf_counter``: the latency of a request the lane ends)."""
+        self._write_paused = False
 
     # -- asyncio.Protocol ------------------------------------------------------------------
 
@@ -156,18 +164,34 @@ class FastLane(asyncio.Protocol):
             self.transport.pause_reading()
 
     def connection_lost(self, exc: BaseException | None) -> None:
+        if self._head is not None and self._body_deadline is not None:  # it left while sending a body
+            self._count("499")
         self._closing = True
         self.lanes.discard(self)
         self._disarm()
         if self.task is not None and not self.task.done():
             self.task.cancel()  # the client went away: as aiohttp's handler_cancellation, vLLM aborts
 
+    def pause_writing(self) -> None:
+        """The client reads slower than it is answered: take no further request (and read
+        nothing more) until it catches up, as aiohttp's writer waits on a full buffer."""
+        self._write_paused = True
+        if self.transport is not None:
+            self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        if self.transport is not None and not self._closing:
+            self.transport.resume_reading()
+            if self.task is None:
+                self._next()
+
     # -- one request at a time -------------------------------------------------------------
 
     def _next(self) -> None:
         """Take the next request in the buffer: serve it, wait for its body, or hand off."""
         self._disarm()
-        if self._closing:
+        if self._closing or self._write_paused:
             return
         if not self.buffer:
             self._arm(self.idle_s, self._idle_close)
@@ -181,11 +205,14 @@ class FastLane(asyncio.Protocol):
             if head is None:
                 self._hand_off()
                 return
-            self._head = (end + 4, *head)
+            self._head, self._head_at = (end + 4, *head), time.perf_counter()
         start, headers, length, close = self._head
         if len(self.buffer) < start + length:  # the rest of the body is on its way: one deadline from the head
             loop = asyncio.get_running_loop()
             if self._body_deadline is None:
+                if not self.head_check(headers):  # a key the edge refuses: its answer now, not after the body
+                    self._hand_off()
+                    return
                 self._body_deadline = loop.time() + self.body_s
             self._arm(self._body_deadline - loop.time(), self._body_late)
             return
@@ -193,7 +220,7 @@ class FastLane(asyncio.Protocol):
         body = bytes(self.buffer[start:start + length])
         # a stream (relay_stream) is aiohttp's; so is a body whose keys could spell "stream" with a \u
         # escape (memchr for the backslash first: CPython's two-byte search takes ~35 us on 20 KB)
-        if b'"stream"' in body or (b"\\" in body and b"\\u" in body):
+        if b'"stream"' in body or (b"\\" in body and b"\\u" in body) or not _utf8_json(body):
             self._hand_off()
             return
         del self.buffer[:start + length]
@@ -256,11 +283,17 @@ class FastLane(asyncio.Protocol):
         """The body did not arrive within ``router.body_timeout_s``: the edge's 408, then close."""
         if self.task is None:
             exc = body_late(self.body_s)
+            self._count(str(exc.status))
+            self._head = self._body_deadline = None
             try:
                 self.write_response(error_response(exc.status, exc.message, param=exc.param), close=True)
             except ConnectionResetError:
                 pass
             self.close()
+
+    def _count(self, status: str) -> None:
+        """Count a request the lane ended before the middlewares ran (``RouterMetrics.count_request``)."""
+        self.app[keys.METRICS].count_request(ENDPOINT_PATHS[FAST_PATH], status, time.perf_counter() - self._head_at)
 
     def _hand_off(self) -> None:
         """aiohttp's protocol takes the connection from here, with the bytes not yet answered."""
@@ -293,6 +326,16 @@ class FastLane(asyncio.Protocol):
         self.close()
 
 
+_OTHER_ENCODINGS = (b"\xef\xbb\xbf", b"\xff\xfe", b"\xfe\xff")
+
+
+def _utf8_json(body: bytes) -> bool:
+    """Whether ``json.loads`` would read ``body`` as UTF-8 without a BOM: it detects UTF-16 and
+    UTF-32 by NUL bytes among the first four and by a BOM, and then the lane's byte screens would
+    not see a ``"stream"`` key."""
+    return not (b"\x00" in body[:4] or body.startswith(_OTHER_ENCODINGS))
+
+
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 """An HTTP field name (RFC 9110 token)."""
 _REQUEST_LINE = f"POST {FAST_PATH} HTTP/1.1"
@@ -310,6 +353,7 @@ def _parse_head(head: bytes, max_body: int) -> tuple[CIMultiDictProxy[str], int,
     pairs: list[tuple[str, str]] = []
     length: int | None = None
     close = False
+    seen: set[str] = set()
     for line in lines[1:]:
         name, colon, value = line.partition(":")
         if not colon or _TOKEN.fullmatch(name) is None:
@@ -324,13 +368,16 @@ def _parse_head(head: bytes, max_body: int) -> tuple[CIMultiDictProxy[str], int,
             if length is not None or not value.isdigit() or len(value) > 12:
                 return None
             length = int(value)
-        elif lower == "connection":
+        elif lower in ("host", "connection") and lower in seen:
+            return None  # twice: aiohttp's to judge
+        if lower == "connection":
             tokens = {t.strip().lower() for t in value.split(",")}
             if "upgrade" in tokens:
                 return None
             close = "close" in tokens
+        seen.add(lower)
         pairs.append((name, value))
-    if length is None or length > max_body:
+    if length is None or length > max_body or "host" not in seen:  # HTTP/1.1 needs a Host (aiohttp's 400)
         return None
     return CIMultiDictProxy(CIMultiDict(pairs)), length, close
 
@@ -347,8 +394,9 @@ def chain(app: web.Application, handler: Handler) -> Handler:
 
 
 async def serve_lane(app: web.Application, runner: web.AppRunner, handler: Handler, *, host: str, port: int,
-                     sock: Any = None, max_head: int, max_body: int, idle_s: float,
-                     body_s: float) -> tuple[asyncio.AbstractServer, set[FastLane]]:
+                     sock: Any = None, max_head: int, max_body: int, idle_s: float, body_s: float,
+                     head_check: Callable[[CIMultiDictProxy[str]], bool] = lambda _: True,
+                     ) -> tuple[asyncio.AbstractServer, set[FastLane]]:
     """Listen on ``host:port`` (or ``sock``) with the lane in front of ``runner``'s aiohttp server;
     the server and the set of lane connections (:func:`close_lane` stops both)."""
     lanes: set[FastLane] = set()
@@ -358,7 +406,7 @@ async def serve_lane(app: web.Application, runner: web.AppRunner, handler: Handl
 
     def factory() -> FastLane:
         return FastLane(app, chained, aiohttp_protocol, lanes, max_head=max_head, max_body=max_body,
-                        idle_s=idle_s, body_s=body_s)
+                        idle_s=idle_s, body_s=body_s, head_check=head_check)
 
     loop = asyncio.get_running_loop()
     if sock is not None:

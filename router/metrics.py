@@ -110,6 +110,13 @@ class RouterMetrics:
         self._prompt: dict[str, int] = {}
         self._cached: dict[str, int] = {}
 
+    def count_request(self, endpoint: str, status: str, seconds: float) -> None:
+        """One request to ``endpoint`` (a label of :data:`ENDPOINT_PATHS`) ended with HTTP
+        ``status`` (``"499"``: its client left) after ``seconds``: the metrics middleware counts
+        every request it sees, ``router.fastlane`` those it ends before the middlewares run."""
+        self.latency.labels(endpoint).observe(seconds)
+        self.requests.labels(endpoint, status).inc()
+
     def count_prompt(self, job, prompt_tokens: int, reported_cached: int | None) -> None:
         """A replica accepted ``job``: ``prompt_tokens`` it was sent (a completion's prompt once,
         whatever ``n``, as vLLM's usage counts it; a scoring fan-out's every context + response),
@@ -184,7 +191,6 @@ def metrics_middleware(metrics: RouterMetrics):
             status = "499"
             raise
         finally:
-            metrics.latency.labels(endpoint).observe(time.perf_counter() - started)
-            metrics.requests.labels(endpoint, status).inc()
+            metrics.count_request(endpoint, status, time.perf_counter() - started)
 
     return count

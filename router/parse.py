@@ -217,6 +217,11 @@ def _validate_prompt(prompt: Any, limits: Limits) -> tuple[str | list[int], int 
                      param="prompt")
 
 
+MAX_TOKEN_ID = 2**32
+"""Token IDs are below this (``cache_policy.hashing`` packs them as uint32); without a tokenizer
+there is no vocabulary bound, and a larger ID was a 500 from the hashing."""
+
+
 def check_token_ids(ids: list[int], param: str, limits: Limits) -> int:
     """Non-empty, no longer than the model, every ID >= 0 (the vocabulary bound needs the
     tokenizer); the largest ID."""
@@ -228,6 +233,8 @@ def check_token_ids(ids: list[int], param: str, limits: Limits) -> int:
     lo, hi = min_max(ids)
     if lo < 0:
         raise BadRequest(f"'{param}' token IDs must be >= 0", param=param)
+    if hi >= MAX_TOKEN_ID:  # no vocabulary has one; the block hashes pack IDs as uint32
+        raise BadRequest(f"'{param}' holds token ID {hi}; token IDs are below 2**32", param=param)
     return hi
 
 
@@ -363,8 +370,9 @@ def parse_score(body: dict[str, Any], headers: Mapping[str, str], *, limits: Lim
         raise BadRequest(f"'responses' holds {len(responses)} responses; at most {limits.max_score_responses} "
                          "(router.max_score_responses)", param="responses")
     for k, r in enumerate(responses):
-        if not _is_token_ids(r) or not r or min(r) < 0:
-            raise BadRequest(f"'responses[{k}]' must be a non-empty list of token IDs >= 0", param=f"responses[{k}]")
+        if not _is_token_ids(r) or not r or not (0 <= min(r) and max(r) < MAX_TOKEN_ID):
+            raise BadRequest(f"'responses[{k}]' must be a non-empty list of token IDs in [0, 2**32)",
+                             param=f"responses[{k}]")
     top = body.get("top_logprobs", 0)
     if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= MAX_TOP_LOGPROBS:
         raise BadRequest(f"'top_logprobs' must be an integer in [0, {MAX_TOP_LOGPROBS}]", param="top_logprobs")

@@ -24,6 +24,7 @@ from router import keys
 from router.app import create_app
 from router.config import AppConfig
 from router.fleet import attach_fleet
+from router.edge import head_check
 from router.fastlane import close_lane, serve_lane
 from router.shutdown import install as install_shutdown
 from router.tokenize import PromptTokenizer
@@ -110,7 +111,7 @@ async def running_router(cfg: AppConfig, endpoints: Sequence[ReplicaEndpoint],
         if r.fast_lane:  # plain completions on a bare protocol, the rest handed to aiohttp
             lane = await serve_lane(app, runner, app[keys.FAST_HANDLER], host=r.host, port=r.port, sock=sock,
                                     max_head=r.max_header_bytes, max_body=r.max_body_bytes,
-                                    idle_s=r.header_timeout_s, body_s=r.body_timeout_s)
+                                    idle_s=r.header_timeout_s, body_s=r.body_timeout_s, head_check=head_check(cfg))
             sockets = lane[0].sockets
         else:
             site = web.TCPSite(runner, r.host, r.port) if sock is None else web.SockSite(runner, sock)

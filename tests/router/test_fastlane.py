@@ -235,8 +235,12 @@ async def test_a_stopping_router_closes_its_lane_connections():
 
 
 @pytest.mark.parametrize("head, taken", [
-    (b"POST /v1/completions HTTP/1.1\r\nContent-Length: 5", True),
-    (b"POST /v1/completions HTTP/1.1\r\ncontent-length: 5\r\nX-Session-Id: s", True),
+    (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 5", True),
+    (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 5\r\nX-Session-Id: s", True),
+    (b"POST /v1/completions HTTP/1.1\r\nContent-Length: 5", False),  # no Host: aiohttp's 400
+    (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nHost: y\r\nContent-Length: 5", False),
+    (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\nConnection: keep-alive\r\n"
+     b"Content-Length: 5", False),
     (b"POST /v1/completions HTTP/1.1\r\nHost: x", False),  # no length
     (b"POST /v1/completions HTTP/1.1\r\nContent-Length: 5\r\nContent-Length: 5", False),
     (b"POST /v1/completions HTTP/1.1\r\nContent-Length: +5", False),
@@ -252,3 +256,90 @@ async def test_a_stopping_router_closes_its_lane_connections():
 ])
 async def test_the_lane_takes_only_plain_heads(head, taken):
     assert (_parse_head(head, max_body=1 << 20) is not None) is taken
+
+
+@pytest.mark.parametrize("prompt_text", [b"[4294967296]", b"[99999999999]", b"[9223372036854775807]", b"[1, 4294967295]"])
+async def test_a_token_id_past_uint32_is_a_400_naming_the_prompt_either_way(prompt_text):
+    """Without a tokenizer no vocabulary bounds an ID; one from 2**32 to 2**63 was a 500 from the
+    block hashing (a fresh attacker found it, lane on and off). 4294967295 is still an ID."""
+    body = b'{"prompt": ' + prompt_text + b', "max_tokens": 1}'
+    request = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    async with fake_replica() as replica:
+        for lane in (True, False):
+            async with edge_router(replica, fast_lane=lane) as (url, _):
+                conn = await Conn.open(url)
+                await conn.send(request)
+                status, _, answer = await conn.answer()
+                conn.close()
+                if prompt_text == b"[1, 4294967295]":
+                    assert status != 500  # the tokenizer's vocabulary (tiny model) refuses it: a 400
+                    continue
+                assert status == 400 and json.loads(answer)["error"]["param"] == "prompt", answer
+
+
+@pytest.mark.parametrize("encoding", ["utf-16-le", "utf-16", "utf-32-be", "utf-8-sig"])
+async def test_a_body_json_reads_in_another_encoding_goes_to_aiohttp(encoding):
+    """``json.loads`` reads UTF-16/32 and BOM bodies: the lane's byte screens would miss a
+    ``"stream"`` key in them (a fresh attacker saw a 500 from relay_stream on the lane's request)."""
+    body = '{"prompt": [5, 6], "max_tokens": 1}'.encode(encoding)
+    request = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    async with fake_replica() as replica, edge_router(replica) as (url, _):
+        conn = await Conn.open(url)
+        await conn.send(request)
+        status, head, _ = await conn.answer()
+        conn.close()
+        assert AIOHTTP_SERVER in head and status != 500
+
+
+async def test_a_key_the_edge_refuses_is_answered_before_the_body_and_the_lanes_own_endings_are_counted():
+    async with fake_replica() as replica, edge_router(replica, api_keys={"k1": None}, body_timeout_s=0.5) as (url, _):
+        conn = await Conn.open(url)
+        data = completion([5, 6])
+        cut = data.index(b"\r\n\r\n") + 6
+        await conn.send(data[:cut])  # no key, body still coming: the 401 now, from the edge
+        status, head, _ = await conn.answer(timeout=3)
+        assert status == 401
+        conn.close()
+        keyed = completion([5, 6], headers=b"Authorization: Bearer k1\r\n")
+        cut = keyed.index(b"\r\n\r\n") + 6
+        late = await Conn.open(url)
+        await late.send(keyed[:cut])  # a body that never comes: the lane's 408
+        assert (await late.answer(timeout=3))[0] == 408
+        late.close()
+        gone = await Conn.open(url)
+        await gone.send(keyed[:cut])
+        await asyncio.sleep(0.1)
+        gone.close()  # left mid-body: 499
+        await asyncio.sleep(0.2)
+        async with aiohttp.ClientSession() as http, http.get(url + "/metrics") as r:
+            text = await r.text()
+        for status in ("401", "408", "499"):
+            assert f'rollout_router_requests_total{{endpoint="completions",status="{status}"}} 1.0' in text, status
+
+
+async def test_a_client_that_does_not_read_stops_the_lane_taking_its_requests():
+    """Pipelined requests from a client that never reads: the lane stops at the transport's
+    write buffer (pause_writing) instead of answering, and buffering, without end."""
+    async with fake_replica() as replica, edge_router(replica) as (url, _):
+        parts = urlsplit(url)
+        sock = __import__("socket").socket()
+        sock.setsockopt(__import__("socket").SOL_SOCKET, __import__("socket").SO_RCVBUF, 4096)
+        sock.connect((parts.hostname, parts.port))
+        sock.setblocking(False)
+        loop = asyncio.get_running_loop()
+        one = completion([5, 6])
+        for _ in range(200):
+            try:
+                await asyncio.wait_for(loop.sock_sendall(sock, one * 50), 0.5)
+            except (TimeoutError, OSError):
+                break
+        served, settled = -1, False
+        for _ in range(40):  # the kernel's send buffer takes answers first; then the lane must stop
+            await asyncio.sleep(0.5)
+            settled, served = len(replica.bodies) == served, len(replica.bodies)
+            if settled:
+                break
+        assert settled, f"still answering a client that reads nothing: {served} answered"
+        await asyncio.sleep(1.0)
+        assert len(replica.bodies) == served and served < 200 * 50
+        sock.close()
