@@ -7,13 +7,17 @@ what the router adds to a completion. The lane removes that cost for the request
 most: a non-streamed completion.
 
 What the lane takes: a request whose head has arrived whole (at most ``router.max_header_bytes``)
-and says plainly ``POST /v1/completions HTTP/1.1``, without a query, in ASCII header lines with one
-``Content-Length`` of at most ``router.max_body_bytes`` and no ``Transfer-Encoding``,
-``Content-Encoding``, ``Expect`` or ``Upgrade``, and whose body holds neither the word ``"stream"``
-(a stream is relayed by aiohttp) nor a ``\\u`` escape (which could spell that key). Anything else hands the connection to aiohttp's own protocol
+and says plainly ``POST /v1/completions HTTP/1.1``, without a query, in ASCII header lines with
+RFC 9110 names, one ``Host``, one ``Content-Length`` of at most ``router.max_body_bytes``, at most
+one ``Connection`` and no ``Transfer-Encoding``, ``Content-Encoding``, ``Expect`` or ``Upgrade``,
+and whose body is UTF-8 JSON (no BOM, no UTF-16/32, which ``json.loads`` would read) holding
+neither the word ``"stream"`` (a stream is relayed by aiohttp) nor a ``\\u`` escape (which could
+spell that key). Anything else hands the connection to aiohttp's own protocol
 (``aiohttp.web_protocol.RequestHandler``) with every byte not yet answered replayed: aiohttp then
 judges the request as if it had seen the connection from the start (its parser's 400s, its header
-and keep-alive timers, chunked and compressed bodies) and keeps the connection.
+and keep-alive timers, chunked and compressed bodies) and keeps the connection. So does a request
+whose API key the edge would refuse while its body is still arriving (``router.edge.head_check``:
+the 401 at once, not after the body).
 
 The same rules, not a copy: a lane request runs through the app's own middlewares (drain,
 metrics, errors, edge) and its own handler, composed as aiohttp composes them, with
@@ -21,7 +25,9 @@ metrics, errors, edge) and its own handler, composed as aiohttp composes them, w
 the lane's own: the HTTP framing of the answer (:func:`encode_response`), the body deadline
 (``router.body_timeout_s``: the edge's 408), the idle deadline (``router.header_timeout_s``, as
 aiohttp's keep-alive timer), cancelling the handler when the client goes away (as aiohttp's
-``handler_cancellation``), and closing its connections on shutdown.
+``handler_cancellation``), taking no request while the client does not read its answers (write
+back-pressure), counting the requests it ends itself (``RouterMetrics.count_request``), and
+closing its connections on shutdown.
 """
 
 from __future__ import annotations
