@@ -154,3 +154,137 @@ def test_a_deferred_insert_waits_for_settle_or_the_next_read() -> None:
     assert not index._deferred and list(index._entries) == hs(3, 2, 1)
     index.insert(hs(4, 5), B, defer=True)
     assert index.match(hs(4, 5, 6)) == {B: 2}  # a read applies it first
+
+
+class _Naive:
+    """An independent model of the index: a dict per block, LRU by re-inserting keys, expiry by
+    scanning every entry. Slow and plain, for the model test below."""
+
+    def __init__(self, capacity: int, ttl: float, fed: set[ReplicaId]) -> None:
+        self.capacity, self.ttl, self.fed = capacity, ttl, fed
+        self.entries: dict[BlockHash, dict[ReplicaId, float | None]] = {}
+        self.expired = 0
+
+    def _take(self, h: BlockHash) -> dict[ReplicaId, float | None]:
+        holders = self.entries.pop(h, {})
+        self.entries[h] = holders  # most recently used
+        return holders
+
+    def _evict(self) -> None:
+        while len(self.entries) > self.capacity:
+            del self.entries[next(iter(self.entries))]
+
+    def insert(self, hashes, replica, now) -> None:
+        for h in reversed(hashes):
+            holders = self._take(h)
+            if replica not in holders or holders[replica] is not None:
+                holders[replica] = now
+        self._evict()
+
+    def confirm(self, hashes, replica) -> None:
+        for h in reversed(hashes):
+            self._take(h)[replica] = None
+        self._evict()
+
+    def expire(self, now) -> None:
+        for h, holders in list(self.entries.items()):
+            for r, state in list(holders.items()):
+                if r in self.fed and state is not None and state + self.ttl < now:
+                    del holders[r]
+                    self.expired += 1
+            if not holders:
+                del self.entries[h]
+
+    def remove(self, hashes, replica) -> None:
+        for h in hashes:
+            holders = self.entries.get(h)
+            if holders is not None and replica in holders:
+                del holders[replica]
+                if not holders:
+                    del self.entries[h]
+
+    def match(self, hashes, now) -> dict[ReplicaId, int]:
+        self.expire(now)
+        result = {}
+        for r in {r for holders in self.entries.values() for r in holders}:
+            depth = 0
+            while depth < len(hashes) and r in self.entries.get(hashes[depth], {}):
+                depth += 1
+            if depth:
+                result[r] = depth
+        for h in reversed(hashes[:max(result.values(), default=0)]):
+            self._take(h)
+        return result
+
+    def blocks_of(self, replica) -> int:
+        return sum(replica in holders for holders in self.entries.values())
+
+    def confirmed_of(self, replica) -> int:
+        return sum(holders.get(replica, 0.0) is None for holders in self.entries.values())
+
+
+_MODEL_OPS = st.lists(st.tuples(st.sampled_from(["insert", "confirm", "match", "remove", "expire"]),
+                                # a prompt's chained block hashes never repeat (each hashes its parent)
+                                st.lists(st.integers(0, 30), min_size=1, max_size=12, unique=True),
+                                st.sampled_from([A, B, C]),
+                                st.floats(0, 2)), max_size=60)
+
+
+@settings(max_examples=400, deadline=None)
+@given(_MODEL_OPS, st.sets(st.sampled_from([A, B, C])))
+def test_the_index_answers_as_a_plain_dict_per_block_model(ops, fed) -> None:
+    """Single holders kept as their replica id (no dict per block) change nothing a caller reads:
+    matches, LRU order, per-replica counts, expiry of event-fed predictions, eviction."""
+    index, model = PrefixIndex(16, predicted_ttl_s=2.0), _Naive(16, 2.0, set(fed))
+    for replica in fed:
+        index.set_event_fed(replica)
+    clock = 0.0
+    for op, values, replica, dt in ops:
+        clock += dt
+        hashes = hs(*values)
+        if op == "insert":
+            index.insert(hashes, replica, clock)
+            model.insert(hashes, replica, clock)
+        elif op == "confirm":
+            index.confirm(hashes, replica, clock)
+            model.confirm(hashes, replica)
+        elif op == "remove":
+            index.remove(hashes, replica)
+            model.remove(hashes, replica)
+        elif op == "expire":
+            index.expire(clock)
+            model.expire(clock)
+        else:
+            assert index.match(hashes, clock) == model.match(hashes, clock)
+        assert list(index._entries) == list(model.entries)
+        for r in (A, B, C):
+            assert (index.blocks_of(r), index.confirmed_of(r)) == (model.blocks_of(r), model.confirmed_of(r))
+        assert index.stats().expired == model.expired
+        index.check_integrity()
+
+
+def test_a_replica_becoming_event_fed_starts_the_expiry_of_its_predictions() -> None:
+    index = PrefixIndex(100, predicted_ttl_s=2.0)
+    index.insert(hs(1, 2, 3), A, now=0.0)
+    index.insert(hs(1, 2), B, now=0.0)
+    index.confirm(hs(1), A, now=1.0)
+    index.set_event_fed(A)  # at the index's latest time, 1.0
+    assert index.expire(2.9) == 0
+    assert index.expire(3.1) == 2  # blocks 2 and 3 of A; block 1 was confirmed
+    assert index.match(hs(1, 2, 3), 3.1) == {A: 1, B: 2}
+    index.check_integrity()
+
+
+def test_a_block_held_by_one_replica_is_no_object_of_its_own() -> None:
+    """The entry of a block one replica without events holds is its id: inserting a 250-block
+    prompt allocates no dict per block."""
+    index = PrefixIndex(1000)
+    index.insert(hs(*range(250)), A)
+    assert all(holders is A for holders in index._entries.values())
+    index.insert(hs(0, 1), B)
+    assert index._entries[BlockHash(0)] == {A: 0.0, B: 0.0} and index.match(hs(0, 1, 2)) == {A: 3, B: 2}
+    index.insert(hs(500), B)
+    assert index.match(hs(5, 500)) == {A: 1} and index.match(hs(500, 5)) == {B: 1}  # one holder each
+    index.remove(hs(5, 500), A)
+    assert index.blocks_of(A) == 249 and index.blocks_of(B) == 3
+    index.check_integrity()
