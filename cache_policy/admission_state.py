@@ -277,11 +277,7 @@ class AdmissionState:
         """Admit every queued request that fits now, in service order. ``views``: replicas in
         rotation (an unhealthy or absent replica's requests stay queued); ``freed``: their
         free-queue counters (see :meth:`parked_guard`)."""
-        if now - self._unparked_at >= UNPARK_EVERY_S:  # a sweep over every session: amortized
-            self._unparked_at = now
-            waiting = {r.session_id for r in self.queue.waiting() if r.session_id is not None}
-            for blocks in self.registry.unpark_idle(now, self.cfg.session_idle_s, waiting):
-                self._session_ended(blocks)  # most clients never say a session ended: idle is how it ends
+        self.unpark_idle(now)
         freed = freed or {}
         guards = {v.replica_id: self.parked_guard(v, freed.get(v.replica_id)) for v in views}
         by_id = {v.replica_id: v for v in views}
@@ -289,6 +285,16 @@ class AdmissionState:
         taken = self.queue.pop_admissible(projected, {}, now, group_running=self.ledger.group_running,
                                           guards=guards, sessions_full=lambda rid, opened: self.sessions_full(by_id[rid], now, opened))
         return [(r, self._admit(r, now, waited=True)) for r in taken]
+
+    def unpark_idle(self, now: float) -> None:
+        """Sessions unseen for ``session_idle_s`` end, and their parked prefixes stop counting
+        (most clients never say a session ended: idle is how it ends). A sweep over every session,
+        so at most once per ``UNPARK_EVERY_S`` of ``now``; every :meth:`pump` runs it."""
+        if now - self._unparked_at >= UNPARK_EVERY_S:
+            self._unparked_at = now
+            waiting = {r.session_id for r in self.queue.waiting() if r.session_id is not None}
+            for blocks in self.registry.unpark_idle(now, self.cfg.session_idle_s, waiting):
+                self._session_ended(blocks)
 
     def _session_ended(self, blocks: int) -> None:
         """A session ended at ``blocks`` (its last turn, or its parked prefix when it went idle):

@@ -173,6 +173,8 @@ class DecisionCore:
         self.replicas: dict[ReplicaId, ReplicaRecord] = {}
         self._jobs: dict[str, Job] = {}
         self._outbox: list[tuple[Job, Admission]] = []
+        self._unheld: list[Job] = []
+        """Jobs admitted whose prompt blocks have not yet left the free-queue model (:meth:`settle`)."""
         self._taken_out: list[tuple[ReplicaId, Outcome, int]] = []
         self._next_id = 0
         self._swept_at = float("-inf")
@@ -195,6 +197,7 @@ class DecisionCore:
     def remove_replica(self, rid: ReplicaId, now: float) -> None:
         """``rid`` left: its pins, index entries and versions go; jobs queued for it come back
         from ``pump`` as ``replica_gone``."""
+        self._settle_holds()
         self._drop_queue(rid)
         self.replicas.pop(rid, None)
         self.registry.drop_replica(rid)
@@ -208,6 +211,7 @@ class DecisionCore:
     def restarted(self, rid: ReplicaId, *, num_gpu_blocks: int = 0, scoring_cap: bool = False,
                   version: int | None = None) -> None:
         """``rid`` came back with an empty cache: forget its index entries and pins."""
+        self._settle_holds()
         rec = self.replicas[rid]
         rec.num_gpu_blocks, rec.scoring_cap, rec.load = num_gpu_blocks, scoring_cap, ReplicaLoad()
         self.policy.on_cache_reset(rid)
@@ -239,6 +243,7 @@ class DecisionCore:
     def cache_reset(self, rid: ReplicaId) -> None:
         """``rid``'s prefix cache was emptied (a confirmed reset): predict no hits there; its
         cache now holds KV of its loaded version only."""
+        self._settle_holds()
         self.policy.on_cache_reset(rid)
         self.free_queue.reset(rid)
         self.admission.forget_replica(rid)
@@ -376,6 +381,7 @@ class DecisionCore:
         """Choose a replica for ``job`` and record it; None when no replica is eligible now
         (all unhealthy, out of rotation, or already tried by this job). ``only``: consider
         that replica alone (``follow_pin``)."""
+        self._settle_holds()
         assert job.decision is None and not job.done, "bug: place() on a placed or finished job"
         self.registry.advance(now)
         self._settle_version(job)
@@ -408,6 +414,7 @@ class DecisionCore:
     def admit(self, job: Job, now: float) -> Admission:
         """Ask for room on the placed replica: admit (``job.ticket``), queue or reject (the job
         is then finished: un-indexed and unpinned)."""
+        self._settle_holds()
         assert job.decision is not None, "bug: admit() before place()"
         rid = job.decision.replica_id
         total = self._footprint(job)
@@ -420,7 +427,7 @@ class DecisionCore:
             self._refuse(self._jobs.pop(victim.request_id), "displaced", now)
         job.admission = adm
         if adm.verdict == "admit":
-            self._hold(job)
+            self._unheld.append(job)  # settle() holds its blocks once it is on its way
         elif adm.verdict == "queue":
             job.queued = request
             self._jobs[str(job.id)] = job
@@ -432,6 +439,10 @@ class DecisionCore:
         """Jobs whose admission was decided since the last call: queued jobs admitted now, and
         jobs refused (``reject``: timeout / displaced) or sent back (``replica_gone``)."""
         self.registry.advance(now)
+        if not self._jobs and not self._outbox:  # nothing queued (most calls): the amortized sweep alone
+            self.admission.unpark_idle(now)
+            return []
+        self._settle_holds()
         self._expire(now)
         waiting = {r.replica_id for r in self.admission.queue.waiting()}  # only their views are needed
         views = self._views_of([rid for rid in waiting if rid in self.replicas and self.replicas[rid].healthy
@@ -459,6 +470,7 @@ class DecisionCore:
         """``job`` ended as ``outcome`` (see :data:`Outcome`). Idempotent for a finished job.
 
         ``down``, ``unreachable`` and ``retry`` leave the job open: place it again (its ``tried`` list grows)."""
+        self._settle_holds()
         if job.done:
             return
         self.registry.advance(now)
@@ -560,11 +572,12 @@ class DecisionCore:
         (:class:`~cache_policy.free_queue.FreeQueueModel`, if the replica's size is known)."""
         rid = decision.replica_id
         matched = min(matched, max(0, (job.view.num_prompt_tokens - 1) // self.block_size))
-        view = self._raw_view(rid)
-        if matched and view.num_gpu_blocks:
-            free_final = int(view.num_gpu_blocks - 1 - running_blocks(view, self.admission.ledger))  # - the null block
-            matched = self.free_queue.surviving(rid, job.view.block_hashes, matched, free_final)
-        job.decision = replace(decision, matched_blocks=matched)
+        if matched:
+            view = self._raw_view(rid)
+            if view.num_gpu_blocks:
+                free_final = int(view.num_gpu_blocks - 1 - running_blocks(view, self.admission.ledger))  # - the null block
+                matched = self.free_queue.surviving(rid, job.view.block_hashes, matched, free_final)
+        job.decision = decision if decision.matched_blocks == matched else replace(decision, matched_blocks=matched)
         job.expected_cached_tokens = matched * self.block_size
 
     def _footprint(self, job: Job) -> int:
@@ -619,13 +632,24 @@ class DecisionCore:
         return self.versions.versions_since(rid, job.version_mark) if rid is not None else []
 
     def settle(self) -> None:
-        """Apply the bookkeeping :meth:`place` deferred (the prefix index's insert of the placed
-        prompt, ``PrefixIndex.insert(defer=True)``). Never needed for correctness (every read
-        applies it first); a router calls it once the request is on its way to the replica, so
-        the work overlaps the replica's prefill instead of delaying the send."""
+        """Apply the bookkeeping :meth:`place` and :meth:`admit` deferred: the prefix index's
+        insert of the placed prompt (``PrefixIndex.insert(defer=True)``) and the admitted prompt's
+        blocks leaving the free-queue model (``FreeQueueModel.hold``). Never needed for
+        correctness (every method that reads them settles first); a router calls it once the
+        request is on its way to the replica, so the work overlaps the replica's prefill instead
+        of delaying the send."""
+        self._settle_holds()
         index = self.prefix_index()
         if index is not None:
             index.settle()
+
+    def _settle_holds(self) -> None:
+        """The holds :meth:`admit` deferred, in order; every method reading the free-queue model or
+        the admission state runs this first (the prefix index settles itself on every read)."""
+        if self._unheld:
+            unheld, self._unheld = self._unheld, []
+            for job in unheld:
+                self._hold(job)
 
     def prefix_index(self) -> PrefixIndex | None:
         """The placement policy's prefix index, for the KV-event subscriber (None: the policy
@@ -637,6 +661,7 @@ class DecisionCore:
 
     def check_integrity(self) -> None:
         """Raise ``RuntimeError('bug: ...')`` if any part of the state is corrupt."""
+        self._settle_holds()
         self.admission.check_integrity()
         self.registry.check_integrity()
         self.policy.check_integrity()

@@ -159,22 +159,27 @@ class Lifecycle:
             self._finish(job, outcome)
 
     async def _fly(self, job: Job, attempt: Attempt[T], streaming: bool) -> T:
-        """Run ``attempt`` as a task a weight update can preempt (``preempt``); Rerun if it did."""
+        """Run ``attempt`` in this task, which a weight update may cancel to take it back
+        (``preempt``): then Rerun. No task of its own: a task per attempt cost a loop turn and
+        its bookkeeping on every request's critical path (``bench.h2h.ab``)."""
         rid = job.decision.replica_id
-        flight = Flight(job, streaming, spans=[first_span(self.core, job)])
-        flight.task = asyncio.ensure_future(attempt(job, self.pool.get(rid).endpoint))
+        task = asyncio.current_task()
+        assert task is not None, "bug: _fly() outside a task"
+        flight = Flight(job, streaming, task=task, spans=[first_span(self.core, job)])
         # after the attempt's first step (it sends the request, then waits for the answer): the
         # placement's deferred bookkeeping runs while the replica works, not before the send
         asyncio.get_running_loop().call_soon(self.core.settle)
         self.flights.setdefault(rid, {})[job.id] = flight
         try:
-            return await flight.task
+            return await attempt(job, self.pool.get(rid).endpoint)
         except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if flight.preempted is not None and not (task is not None and task.cancelling()):
+            # preempted alone (the client still here): take the cancel back and run it again;
+            # a client gone as well (two cancels) ends the request
+            if flight.preempted is not None and task.uncancel() == 0:
                 raise Rerun(flight.preempted) from None
             raise
         finally:
+            flight.task = None  # a preemption from now on would hit whatever the task does next
             self.flights.get(rid, {}).pop(job.id, None)
 
     def flight(self, job: Job) -> Flight | None:
@@ -192,7 +197,7 @@ class Lifecycle:
         """Take back every non-streaming attempt on ``rid`` (they run again whole); the count."""
         n = 0
         for flight in list(self.flights.get(rid, {}).values()):
-            if not (flight.streaming or flight.answering) and flight.task is not None and not flight.task.done():
+            if not (flight.streaming or flight.answering) and flight.task is not None and flight.preempted is None:
                 flight.preempted = reason
                 flight.task.cancel()
                 n += 1

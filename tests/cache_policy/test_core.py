@@ -8,6 +8,8 @@ from __future__ import annotations
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cache_policy.config import PolicyConfig
 from cache_policy.core import DecisionCore, ReplicaLoad, RequestSpec
@@ -288,3 +290,45 @@ def test_a_thousand_mixed_requests_keep_every_invariant(seed):
     assert core.queue_length() == 0 and all(core.in_flight(r) == 0 for r in core.replicas)
     assert all(rec.in_flight == 0 for rec in core.registry._records.values())
     assert "admit" in decided  # the queue really was exercised
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5), st.sampled_from([None, "s1", "s2"]), st.sampled_from(["ok", "cancelled",
+                                                                                               "refused", "hold"]),
+                          st.floats(0.0, 2.0), st.booleans()), max_size=30))
+def test_the_bookkeeping_settle_defers_reads_exactly_as_if_done_at_once(ops):
+    """``admit`` defers the admitted prompt's hold in the free-queue model (and ``place`` the index
+    insert) until :meth:`settle`, which a router calls once the request is sent: a core settled
+    after every admission and one never settled explicitly decide everything alike."""
+    cores = [DecisionCore(PolicyConfig(queue_timeout_s=5.0, session_idle_s=10.0)) for _ in range(2)]
+    for core in cores:
+        for rid in R[:2]:
+            core.add_replica(rid, block_size=16, num_gpu_blocks=48)
+    held: list[list] = [[], []]
+    now = 0.0
+    for prefix, session, end, dt, pump in ops:
+        now += dt
+        prompt = list(range(100 * prefix, 100 * prefix + 40 + 16 * prefix))
+        seen = []
+        for k, core in enumerate(cores):
+            job = core.open(RequestSpec(prompt, session_id=session, new_tokens=20), now)
+            core.place(job, now)
+            adm = core.admit(job, now)
+            if k == 0:
+                core.settle()
+            decided = [(j.id, a.verdict, a.reason) for j, a in core.pump(now)] if pump else []
+            seen.append((job.replica_id, adm.verdict, adm.reason, job.expected_cached_tokens, decided))
+            if adm.verdict == "admit" and end == "hold":
+                held[k].append(job)
+            elif adm.verdict != "reject":
+                job.generated_tokens = 8
+                core.finish(job, end if end != "hold" else "ok", now)
+            if len(held[k]) > 3:
+                core.finish(held[k].pop(0), "ok", now)
+        assert seen[0] == seen[1]
+    for core in cores:
+        core.settle()
+        core.check_integrity()
+    a, b = (core.free_queue._replicas for core in cores)
+    assert {r: (+q.refs, q.stamps, q.freed) for r, q in a.items()} == {r: (+q.refs, q.stamps, q.freed) for r, q in b.items()}
+    assert cores[0].admission._touched == cores[1].admission._touched
