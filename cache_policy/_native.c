@@ -11,7 +11,7 @@
  * int_bounds(ids)  -> (min, max) | None
  * hash_chain(ids, block_size, parent, salt, seed) -> list[int]
  * hash_packed(buf, block_size, parent, salt, seed) -> list[int]
- * split_ids(raw, key) -> (cut_start, cut_end, packed, min, max, value_start, value_end) | None
+ * split_ids(raw, key, also) -> (cut_start, cut_end, packed, min, max, value_start, value_end, has_also) | None
  *
  * split_ids reads a request body's token-ID list straight from its JSON bytes, so a 4,000-token
  * prompt never becomes 4,000 Python ints (decoding them is most of a body's decode time); the
@@ -298,13 +298,14 @@ skip_value(const unsigned char *s, Py_ssize_t i, Py_ssize_t n)
 }
 
 PyDoc_STRVAR(split_ids_doc,
-"split_ids(raw, key, /)\n--\n\n"
+"split_ids(raw, key, also=b'', /)\n--\n\n"
 "Find the top-level member ``key`` of the JSON object ``raw`` (bytes) whose value is a non-empty\n"
 "list of token IDs: JSON integers in [0, 2**32), written plainly (no sign, fraction, exponent or\n"
-"leading zero). Returns ``(cut_start, cut_end, packed, min, max, value_start, value_end)``:\n"
+"leading zero). Returns ``(cut_start, cut_end, packed, min, max, value_start, value_end, has_also)``:\n"
 "``raw[:cut_start] + raw[cut_end:]`` is the object without that member (and its comma),\n"
 "``packed`` the IDs as little-endian uint32 bytes, ``raw[value_start:value_end]`` the list's\n"
-"JSON text. None whenever that is not certain (no such member, another value, an ID out of\n"
+"JSON text, ``has_also`` whether the object has a top-level member ``also`` (written without\n"
+"escapes, as every key must be here). None whenever that is not certain (no such member, another value, an ID out of\n"
 "range, a key written with an escape, the key twice, text after the object): the caller then\n"
 "decodes ``raw`` whole. The rest of ``raw`` is skipped leniently: decoding the object without\n"
 "the member is what judges it (if that is valid JSON, so is ``raw``).");
@@ -314,9 +315,10 @@ split_ids(PyObject *module, PyObject *args)
 {
     const unsigned char *s;
     Py_ssize_t n;
-    const char *key;
-    Py_ssize_t key_len;
-    if (!PyArg_ParseTuple(args, "y#y#:split_ids", &s, &n, &key, &key_len)) {
+    const char *key, *also = "";
+    Py_ssize_t key_len, also_len = -1;
+    int has_also = 0;
+    if (!PyArg_ParseTuple(args, "y#y#|y#:split_ids", &s, &n, &key, &key_len, &also, &also_len)) {
         return NULL;
     }
     Py_ssize_t i = skip_ws(s, 0, n);
@@ -340,6 +342,7 @@ split_ids(PyObject *module, PyObject *args)
         i = skip_string(s, i, n, &escaped);
         if (i < 0 || escaped) goto decline;
         int is_key = (i - 1 - key_start == key_len) && memcmp(s + key_start, key, (size_t)key_len) == 0;
+        if (i - 1 - key_start == also_len && memcmp(s + key_start, also, (size_t)also_len) == 0) has_also = 1;
         i = skip_ws(s, i, n);
         if (i >= n || s[i] != ':') goto decline;
         i = skip_ws(s, i + 1, n);
@@ -349,24 +352,29 @@ split_ids(PyObject *module, PyObject *args)
             ids = PyMem_Malloc(sizeof(uint32_t) * (size_t)((n - i) / 2 + 1));
             if (ids == NULL) return PyErr_NoMemory();
             i = skip_ws(s, i + 1, n);
-            for (;;) {
-                if (i >= n || s[i] < '0' || s[i] > '9') goto decline;  /* also '-', ']' (empty) */
-                Py_ssize_t start = i;
-                uint64_t v = 0;
-                while (i < n && s[i] >= '0' && s[i] <= '9' && i - start < 11) {
-                    v = v * 10 + (uint64_t)(s[i] - '0');
+            lo = 0xFFFFFFFFu;
+            for (;;) {  /* the hot loop: a 4,000-token prompt is ~25 KB of digits and commas */
+                unsigned int d = i < n ? (unsigned int)s[i] - '0' : 10u;
+                if (d > 9) goto decline;  /* also '-', ']' (empty) */
+                Py_ssize_t start = i++;
+                uint64_t v = d;
+                while (i < n && (d = (unsigned int)s[i] - '0') <= 9) {
+                    if (i - start >= 10) goto decline;  /* 11 digits: past 2**32 (or a leading-zero run) */
+                    v = v * 10 + d;
                     i++;
                 }
                 if ((s[start] == '0' && i - start > 1) || v > 0xFFFFFFFFULL) goto decline;
-                if (i < n && ((s[i] >= '0' && s[i] <= '9') || s[i] == '.' || s[i] == 'e' || s[i] == 'E')) goto decline;
+                if (i < n && (s[i] == '.' || s[i] == 'e' || s[i] == 'E')) goto decline;
                 uint32_t t = (uint32_t)v;
-                if (count == 0) {
-                    lo = hi = t;
-                } else {
-                    if (t < lo) lo = t;
-                    if (t > hi) hi = t;
-                }
+                if (t < lo) lo = t;
+                if (t > hi) hi = t;
                 ids[count++] = t;
+                if (i < n && s[i] == ',') {  /* "1,2" and "1, 2": the common separators first */
+                    i++;
+                    if (i < n && s[i] == ' ') i++;
+                    i = skip_ws(s, i, n);
+                    continue;
+                }
                 i = skip_ws(s, i, n);
                 if (i < n && s[i] == ',') {
                     i = skip_ws(s, i + 1, n);
@@ -402,10 +410,14 @@ split_ids(PyObject *module, PyObject *args)
         return NULL;
     }
     unsigned char *p = (unsigned char *)PyBytes_AS_STRING(packed);
+#if PY_LITTLE_ENDIAN
+    memcpy(p, ids, 4 * (size_t)count);
+#else
     for (Py_ssize_t k = 0; k < count; k++) put_le32(p + 4 * k, ids[k]);
+#endif
     PyMem_Free(ids);
-    return Py_BuildValue("(nnNkknn)", cut_start, cut_end, packed, (unsigned long)lo, (unsigned long)hi,
-                         value_start, value_end);
+    return Py_BuildValue("(nnNkknnO)", cut_start, cut_end, packed, (unsigned long)lo, (unsigned long)hi,
+                         value_start, value_end, has_also ? Py_True : Py_False);
 decline:
     PyMem_Free(ids);
     Py_RETURN_NONE;

@@ -67,7 +67,7 @@ def load_json_object(raw: bytes, ids_field: str | None = None) -> dict[str, Any]
     of decoding less, and no re-encoding on the way out). Anything else decodes whole."""
     split = split_ids(raw, ids_field) if ids_field is not None else None
     if split is not None:
-        rest, ids = split
+        rest, ids, _ = split
         try:
             body = _FAST.decode(rest)
         except (msgspec.DecodeError, RecursionError):

@@ -46,7 +46,9 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from router import keys
 from router.edge import body_late
 from router.errors import error_response
+from router.intake import PROMPT_FIELD
 from router.metrics import ENDPOINT_PATHS
+from router.token_ids import split_ids
 
 log = logging.getLogger(__name__)
 
@@ -223,10 +225,9 @@ class FastLane(asyncio.Protocol):
             self._arm(self._body_deadline - loop.time(), self._body_late)
             return
         self._body_deadline = self._head = None
-        body = bytes(self.buffer[start:start + length])
-        # a stream (relay_stream) is aiohttp's; so is a body whose keys could spell "stream" with a \u
-        # escape (memchr for the backslash first: CPython's two-byte search takes ~35 us on 20 KB)
-        if b'"stream"' in body or (b"\\" in body and b"\\u" in body) or not _utf8_json(body):
+        with memoryview(self.buffer) as view:  # one copy, not two
+            body = bytes(view[start:start + length])
+        if not _lane_takes(body):
             self._hand_off()
             return
         del self.buffer[:start + length]
@@ -330,6 +331,20 @@ class FastLane(asyncio.Protocol):
             await asyncio.wait({task}, timeout=timeout_s)
             task.cancel()
         self.close()
+
+
+def _lane_takes(body: bytes) -> bool:
+    """Whether the lane may take ``body``: a stream (``relay_stream``) is aiohttp's. The prompt's
+    split (``router.token_ids.split_ids``, which the handler then reuses) says whether the body
+    has a top-level ``"stream"`` member; a body it cannot split is screened on its bytes: no
+    ``"stream"`` anywhere, and no key that could spell it with a ``\\u`` escape (memchr for the
+    backslash first: CPython's two-byte search takes ~35 us on 20 KB)."""
+    if not _utf8_json(body):
+        return False
+    split = split_ids(body, PROMPT_FIELD)
+    if split is not None:
+        return not split.streams
+    return not (b'"stream"' in body or (b"\\" in body and b"\\u" in body))
 
 
 _OTHER_ENCODINGS = (b"\xef\xbb\xbf", b"\xff\xfe", b"\xfe\xff")

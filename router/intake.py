@@ -21,6 +21,11 @@ from router.errors import BadRequest
 from router.parse import Limits, ParsedRequest, ScoreRequest, parse_chat, parse_completion, parse_score
 
 
+PROMPT_FIELD = "prompt"
+"""The ``/v1/completions`` field holding the prompt: token IDs there are read straight from the
+body's bytes (``router.body.load_json_object``), by the fast lane first (``router.fastlane``)."""
+
+
 def limits_of(app: web.Application) -> Limits:
     """The request limits of the app's config (``create_app`` computed them once)."""
     return app[keys.LIMITS]
@@ -47,7 +52,7 @@ def check_room(num_prompt: int, body: dict[str, Any], limits: Limits, param: str
 async def read_completion(request: web.Request) -> tuple[ParsedRequest, list[int]]:
     """A ``/v1/completions`` request, validated, and the token IDs to route and send."""
     app, limits = request.app, limits_of(request.app)
-    parsed = parse_completion(load_json_object(body_of(request), "prompt"), request.headers, limits=limits,
+    parsed = parse_completion(load_json_object(body_of(request), PROMPT_FIELD), request.headers, limits=limits,
                               tenant=tenant_of(request))
     tokenizer = app[keys.TOKENIZER]
     if not isinstance(parsed.prompt, str):  # token IDs: a list, or TokenIds read from the JSON

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 from array import array
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 import numpy as np
@@ -43,24 +43,47 @@ class TokenIds(array):
 _SPLIT_OK = NATIVE is not None and sys.byteorder == "little"
 
 
-def split_ids(raw: bytes, key: str) -> tuple[bytes, TokenIds] | None:
+class SplitBody(NamedTuple):
+    """A JSON object's bytes read by :func:`split_ids`."""
+
+    rest: bytes
+    """The object without the member: undecoded (its decoder says whether it is valid JSON)."""
+    ids: TokenIds
+    """The member's value."""
+    streams: bool
+    """Whether the object has a top-level ``"stream"`` member (the fast lane hands such a request
+    to aiohttp, ``router.fastlane``; the key is unescaped, as every key of a split body is)."""
+
+
+_last: tuple[bytes, str, SplitBody | None] | None = None
+"""The last answer of :func:`split_ids`: the fast lane splits a body to screen it, and the
+completions handler then asks again for the same bytes object."""
+
+
+def split_ids(raw: bytes, key: str) -> SplitBody | None:
     """``raw`` (a JSON object's bytes) without its top-level member ``key``, and that member's
     value as :class:`TokenIds`, when the value is a non-empty list of plain JSON integers in
     ``[0, 2**32)`` (``cache_policy.native`` ``split_ids``: one C pass, no Python int per ID).
     None whenever that is not certain (another value, a negative or fractional ID, the key twice
     or escaped, no extension): the caller decodes ``raw`` whole, which gives the same body. The
-    rest is returned undecoded; whether it is valid JSON is for its decoder to say (when it is,
-    ``raw`` is too)."""
+    last answer is kept for the same ``raw`` object (bytes do not change; the one kept cannot be
+    freed and its id reused while it is kept)."""
+    global _last
     if not _SPLIT_OK:
         return None
-    found = NATIVE.split_ids(raw, key.encode())
-    if found is None:
-        return None
-    cut_start, cut_end, packed, lo, hi, value_start, value_end = found
-    ids = TokenIds(_U32)
-    ids.frombytes(packed)
-    ids.json, ids.bounds = raw[value_start:value_end], (lo, hi)
-    return raw[:cut_start] + raw[cut_end:], ids
+    last = _last
+    if last is not None and last[0] is raw and last[1] == key:
+        return last[2]
+    found = NATIVE.split_ids(raw, key.encode(), b"stream")
+    split = None
+    if found is not None:
+        cut_start, cut_end, packed, lo, hi, value_start, value_end, streams = found
+        ids = TokenIds(_U32)
+        ids.frombytes(packed)
+        ids.json, ids.bounds = raw[value_start:value_end], (lo, hi)
+        split = SplitBody(raw[:cut_start] + raw[cut_end:], ids, streams)
+    _last = (raw, key, split)
+    return split
 
 
 def int_bounds(value: list[Any]) -> tuple[int, int] | None:

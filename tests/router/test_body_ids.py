@@ -95,10 +95,30 @@ def test_the_forwarded_body_holds_the_prompt_the_router_hashed(text):
     '{"prompt":[1,2]}', ' { "model" : "m" , "prompt" : [ 0 , 4294967295 ] } ', '{"a":{"prompt":[9]},"prompt":[3]}',
     '{"a":"\\"prompt\\":[1]","prompt":[7,7]}', '{"prompt":[5],"b":[1,{"c":"]}"}]}'])
 def test_a_plain_token_id_prompt_is_read_from_the_bytes(text):
-    rest, ids = split_ids(text.encode(), "prompt")
+    rest, ids, streams = split_ids(text.encode(), "prompt")
     whole = json.loads(text)
     assert ids == whole.pop("prompt") and json.loads(rest) == whole
     assert json.loads(ids.json) == ids.tolist()
+    assert not streams
+
+
+@needs_native
+@pytest.mark.parametrize(("text", "streams"), [
+    ('{"prompt":[1],"stream":false}', True), ('{"stream":true,"prompt":[1]}', True),
+    ('{"prompt":[1],"a":{"stream":true}}', False), ('{"prompt":[1],"a":"\\"stream\\":true"}', False),
+    ('{"prompt":[1],"streams":true}', False), ('{"prompt":[1],"strea":true}', False)])
+def test_the_split_tells_whether_the_body_has_a_top_level_stream_member(text, streams):
+    assert split_ids(text.encode(), "prompt").streams is streams
+
+
+@needs_native
+def test_the_last_split_is_answered_again_for_the_same_bytes_only():
+    raw = b'{"prompt":[1,2]}'
+    first = split_ids(raw, "prompt")
+    assert split_ids(raw, "prompt") is first
+    assert split_ids(raw, "other") is None  # another key: asked anew
+    copy = bytes(bytearray(raw))
+    assert split_ids(copy, "prompt") is not first and split_ids(copy, "prompt") == first
 
 
 @needs_native
