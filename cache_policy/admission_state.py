@@ -15,7 +15,7 @@ import bisect
 import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Literal
 
 from cache_policy.admission import AdmissionQueue, AdmissionRequest, classify, fits
@@ -61,10 +61,11 @@ def project(view: ReplicaView, ledger: KvLedger, registry: KeyRegistry, *, parke
     """
     rid, cap = view.replica_id, view.num_gpu_blocks
     count = ledger.count(rid) + ledger.peer(rid).requests
-    if not cap:
-        return replace(view, in_flight=count)
-    running = running_blocks(view, ledger)
-    return replace(view, in_flight=count, kv_cache_usage=(running + (registry.parked_blocks(rid) if parked else 0)) / cap)
+    usage = ((running_blocks(view, ledger) + (registry.parked_blocks(rid) if parked else 0)) / cap if cap
+             else view.kv_cache_usage)
+    # built field by field: dataclasses.replace() took two thirds of this function's time
+    return ReplicaView(rid, view.healthy, count, usage, view.num_running, view.num_waiting, cap, view.block_size,
+                       view.scoring_cap, view.weight_version, view.queued)
 
 
 def running_blocks(view: ReplicaView, ledger: KvLedger) -> float:

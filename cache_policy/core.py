@@ -740,6 +740,8 @@ class DecisionCore:
     def _expire(self, now: float) -> None:
         """Queued jobs past ``queue_timeout_s``: admitted late where running work leaves room
         (``AdmissionState.expire``), else refused; both go out with the next ``pump``."""
+        if not self._jobs:  # nothing queued
+            return
         def view_of(rid: ReplicaId) -> ReplicaView | None:
             rec = self.replicas.get(rid)
             return self._view(rid) if rec is not None and rec.healthy and rid not in self.versions.rotation else None
