@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import re
 import asyncio
+import gc
 import dataclasses
 import json
 import logging
@@ -215,6 +216,7 @@ async def _serve(cfg: AppConfig, sock: socket.socket) -> None:
             signals.on_first = app[SHUTDOWN].refuse_new
             print(f"rollout-router serving {len(replica_set.endpoints)} replica(s) at {url} "
                   f"(policy {cfg.router.policy}); Ctrl-C or SIGTERM stops", flush=True)
+            _steady_gc()
             await signals.first.wait()
             print(f"rollout-router: draining (in-flight requests get {cfg.router.shutdown_grace_s:g} s; "
                   "a second signal cuts that short) ...", flush=True)
@@ -225,6 +227,20 @@ async def _serve(cfg: AppConfig, sock: socket.socket) -> None:
             draining.cancel()
         print("rollout-router: router stopped; stopping the replicas ...", flush=True)
     print("rollout-router: stopped", flush=True)
+
+
+GC_THRESHOLD = (10_000, 20, 20)
+"""The cyclic collector's thresholds once the router serves (CPython's default: 700, 10, 10)."""
+
+
+def _steady_gc() -> None:
+    """Once started, the router's objects from startup (modules, the tokenizer, pydantic's schemas)
+    live as long as it does: they leave the cyclic collector's passes (``gc.freeze``), and young
+    objects are collected every 10,000 allocations, not 700 (a request makes a few hundred that die
+    with it). ``bench.h2h.ab``, this vs the defaults, one run: added p50 +2.05 vs +2.17 ms."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLD)
 
 
 class _Signals:

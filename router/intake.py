@@ -15,7 +15,7 @@ from typing import Any
 from aiohttp import web
 
 from router import keys
-from router.body import load_json_object
+from router.body import load_json_object, load_json_split
 from router.edge import body_of, tenant_of
 from router.errors import BadRequest
 from router.parse import Limits, ParsedRequest, ScoreRequest, parse_chat, parse_completion, parse_score
@@ -52,8 +52,8 @@ def check_room(num_prompt: int, body: dict[str, Any], limits: Limits, param: str
 async def read_completion(request: web.Request) -> tuple[ParsedRequest, list[int]]:
     """A ``/v1/completions`` request, validated, and the token IDs to route and send."""
     app, limits = request.app, limits_of(request.app)
-    parsed = parse_completion(load_json_object(body_of(request), PROMPT_FIELD), request.headers, limits=limits,
-                              tenant=tenant_of(request))
+    body, source = load_json_split(body_of(request), PROMPT_FIELD)
+    parsed = parse_completion(body, request.headers, limits=limits, tenant=tenant_of(request), source=source)
     tokenizer = app[keys.TOKENIZER]
     if not isinstance(parsed.prompt, str):  # token IDs: a list, or TokenIds read from the JSON
         tokenizer.check_ids(parsed.prompt, "prompt", parsed.prompt_max_id)

@@ -285,15 +285,19 @@ def _validate_common(body: dict[str, Any], limits: Limits) -> bool:
 
 
 def parse_completion(body: dict[str, Any], headers: Mapping[str, str], *, limits: Limits | None = None,
-                     tenant: str | None = None) -> ParsedRequest:
-    """Validate a /v1/completions body (mutated: routing fields removed)."""
+                     tenant: str | None = None, source: bytes | None = None) -> ParsedRequest:
+    """Validate a /v1/completions body (mutated: routing fields removed). ``source``: the bytes the
+    body but its token-ID prompt was decoded from (``router.body.load_json_split``)."""
     limits = limits or default_limits()
     refuse_router_set_fields(body)
     refuse_plugin_xargs(body)
     keys, stream = routing_keys(body, headers, limits, tenant), _validate_common(body, limits)
     prompt, max_id = _validate_prompt(body.get("prompt"), limits)
     # every prompt _validate_prompt passes, the model passes too: it need not walk the token IDs again
-    validate_body(CompletionRequest, {**body, "prompt": []} if not isinstance(prompt, str) else body)
+    if isinstance(prompt, str):
+        validate_body(CompletionRequest, body)
+    else:
+        validate_body(CompletionRequest, {**body, "prompt": []}, source=source)
     return ParsedRequest("completions", body, keys, stream, prompt=prompt, prompt_max_id=max_id)
 
 

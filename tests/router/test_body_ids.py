@@ -135,3 +135,46 @@ def test_token_ids_compare_as_the_list_they_hold():
     ids = TokenIds("I", [3, 4])
     assert ids == [3, 4] and ids != [3, 5] and ids != [3] and ids == TokenIds("I", [3, 4])
     assert {"prompt": ids} == {"prompt": [3, 4]}
+
+
+FIELD_VALUE = st.one_of(VALUE, st.integers(-3, 5), st.floats(-1, 3), st.sampled_from(["m", "sim", ""]))
+
+
+@st.composite
+def sampling_body(draw) -> bytes:
+    fields = draw(st.dictionaries(st.sampled_from(["model", "max_tokens", "add_special_tokens", "stream", "n", "seed",
+                                                   "stop", "logprobs", "echo", "x_extra", "session_id"]),
+                                  FIELD_VALUE, max_size=5))
+    return json.dumps({**fields, "prompt": draw(st.lists(st.integers(0, 1000), min_size=1, max_size=5))}).encode()
+
+
+def parsed_outcome(raw: bytes, *, remembered: bool):
+    from router.body import load_json_split
+    from router.parse import default_limits, parse_completion
+    try:
+        body, source = load_json_split(raw, "prompt")
+        parsed = parse_completion(body, {}, limits=default_limits(), source=source if remembered else None)
+    except BadRequest as exc:
+        return ("refused", exc.param, str(exc))
+    return ("ok", {k: v for k, v in parsed.body.items() if k != "prompt"}, parsed.keys)
+
+
+@needs_native
+@settings(max_examples=400, deadline=None)
+@given(sampling_body())
+def test_a_remembered_validation_answers_as_validating_again(raw):
+    """``router.schemas.validate_body`` remembers the rests that passed (by their bytes): the first
+    and the second parse of a body, remembered or not, give the same body or the same refusal."""
+    fresh = parsed_outcome(raw, remembered=False)
+    assert parsed_outcome(raw, remembered=True) == fresh
+    assert parsed_outcome(bytes(bytearray(raw)), remembered=True) == fresh  # now remembered, if it passed
+
+
+@needs_native
+def test_only_bytes_that_passed_are_remembered():
+    from router.schemas import _PASSED
+    good, bad = b'{"model":"m","add_special_tokens":true,"prompt":[1,2]}', b'{"model":"m","add_special_tokens":"x","prompt":[1,2]}'
+    assert parsed_outcome(good, remembered=True)[0] == "ok"
+    assert any(source == b'{"model":"m","add_special_tokens":true}' for _, source in _PASSED)
+    for _ in range(2):
+        assert parsed_outcome(bad, remembered=True)[:2] == ("refused", "add_special_tokens")
