@@ -109,12 +109,24 @@ class UpstreamResult:
     values. False when only ``json`` could (``NaN``, ``Infinity``), which ``json.dumps`` keeps."""
 
 
+def encode_parts(body: dict[str, Any]) -> tuple[bytes, ...]:
+    """:func:`encode_body`'s JSON in pieces to write one after another: a ``TokenIds`` prompt's
+    text (tens of KB) goes out as the client sent it, not copied into the body and again into
+    the request (``ReplicaClient.post`` writes the pieces with ``writelines``). The prompt comes
+    first; the object's members are the same."""
+    prompt = body.get("prompt")
+    if type(prompt) is not TokenIds:
+        return (encode_body(body),)
+    tail = _ENCODE({k: v for k, v in body.items() if k != "prompt"})
+    return b'{"prompt":', prompt.json, b"}" if tail == b"{}" else b"," + tail[1:]
+
+
 async def post_json(client: ReplicaClient, url: str, body: dict[str, Any]) -> UpstreamResult:
     """POST ``body`` and read the whole answer (``router.upstream``: pooled connections, one
     more try on a fresh one when a kept-alive connection was closed). Raises ReplicaUnreachable
     (``refused`` when nobody listens; never a partial answer) or UpstreamError (timed out)."""
     try:
-        status, raw = await client.post(url, encode_body(body))
+        status, raw = await client.post(url, encode_parts(body))
     except TimeoutError as exc:
         raise UpstreamError(f"replica timed out on {url}") from exc
     return upstream_result(status, raw)

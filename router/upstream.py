@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+from collections.abc import Sequence
 
 import httptools
 from yarl import URL
@@ -110,8 +111,9 @@ class _Connection(asyncio.Protocol):
             waiter.set_result(answer)
 
     # -- use --
-    def send(self, data: bytes) -> asyncio.Future[tuple[int, bytes]]:
-        """Write one whole request; the future resolves to ``(status, body)`` (or UpstreamLost)."""
+    def send(self, data: Sequence[bytes]) -> asyncio.Future[tuple[int, bytes]]:
+        """Write one whole request, its pieces one after another; the future resolves to
+        ``(status, body)`` (or UpstreamLost)."""
         assert self.waiter is None and self.transport is not None, "bug: a request on a busy connection"
         self.received, self._body = False, []
         waiter = asyncio.get_running_loop().create_future()
@@ -120,7 +122,7 @@ class _Connection(asyncio.Protocol):
             return waiter
         self.waiter = waiter
         try:
-            self.transport.write(data)
+            self.transport.writelines(data)  # uvloop: one writev, the pieces not joined
         except (OSError, RuntimeError) as exc:  # a transport that broke under the write
             self.waiter = None
             waiter.set_exception(UpstreamLost(f"write failed ({exc!r})", False))
@@ -178,13 +180,15 @@ class ReplicaClient:
         self._idle: dict[tuple[str, int], list[_Connection]] = {}
         self._closed = False
 
-    async def post(self, url: str, data: bytes) -> tuple[int, bytes]:
-        """POST the JSON ``data`` to ``url`` (with the replica's key, if it has one);
-        ``(status, body)``. Raises ReplicaUnreachable or asyncio.TimeoutError (module docstring)."""
+    async def post(self, url: str, data: bytes | Sequence[bytes]) -> tuple[int, bytes]:
+        """POST the JSON ``data`` (bytes, or its pieces in order) to ``url`` (with the replica's key,
+        if it has one); ``(status, body)``. Raises ReplicaUnreachable or asyncio.TimeoutError
+        (module docstring)."""
         host, port, head, name = _target(url)
         key = self.auth.key(name)
         auth = b"" if key is None else "".join(f"{k}: {v}\r\n" for k, v in bearer(key).items()).encode()
-        request = b"%s%sContent-Length: %d\r\n\r\n%s" % (head, auth, len(data), data)
+        parts = (data,) if isinstance(data, (bytes, bytearray)) else tuple(data)
+        request = (b"%s%sContent-Length: %d\r\n\r\n" % (head, auth, sum(map(len, parts))), *parts)
         async with asyncio.timeout(self.timeout_s):
             for attempt in (1, 2):
                 conn = await self._acquire(host, port, url)

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from cache_policy.native import NATIVE
 from router.body import load_json_object
 from router.errors import BadRequest
-from router.proxy import encode_body
+from router.proxy import encode_body, encode_parts
 from router.token_ids import TokenIds, split_ids
 
 needs_native = pytest.mark.skipif(NATIVE is None, reason="cache_policy._native is not built (no C compiler)")
@@ -85,6 +85,7 @@ def test_the_forwarded_body_holds_the_prompt_the_router_hashed(text):
     sent = json.loads(encode_body(body))
     want = json.loads(raw)
     assert sent == want
+    assert json.loads(b"".join(encode_parts(body))) == want  # what ReplicaClient.post writes, in pieces
     if isinstance(body.get("prompt"), TokenIds):
         assert sent["prompt"] == body["prompt"].tolist() == list(body["prompt"])
         assert body["prompt"].bounds == (min(sent["prompt"]), max(sent["prompt"]))
