@@ -287,11 +287,15 @@ class AdmissionState:
                                           guards=guards, sessions_full=lambda rid, opened: self.sessions_full(by_id[rid], now, opened))
         return [(r, self._admit(r, now, waited=True)) for r in taken]
 
+    def unpark_due(self, now: float) -> bool:
+        """Whether :meth:`unpark_idle` at ``now`` sweeps (else it does nothing)."""
+        return now - self._unparked_at >= UNPARK_EVERY_S
+
     def unpark_idle(self, now: float) -> None:
         """Sessions unseen for ``session_idle_s`` end, and their parked prefixes stop counting
         (most clients never say a session ended: idle is how it ends). A sweep over every session,
         so at most once per ``UNPARK_EVERY_S`` of ``now``; every :meth:`pump` runs it."""
-        if now - self._unparked_at >= UNPARK_EVERY_S:
+        if self.unpark_due(now):
             self._unparked_at = now
             waiting = {r.session_id for r in self.queue.waiting() if r.session_id is not None}
             for blocks in self.registry.unpark_idle(now, self.cfg.session_idle_s, waiting):

@@ -287,6 +287,7 @@ class DecisionCore:
     def end_session(self, session_id: str) -> bool:
         """The client ended ``session_id``: its pin and parked prefix are released at once.
         False when this router holds no record of it (never seen, already ended, or expired)."""
+        self._settle_holds()
         return self.registry.end("session", session_id)
 
     # -- sharing with other routers (cache_policy.sharing; router.state carries it out) ---------
@@ -440,6 +441,8 @@ class DecisionCore:
         jobs refused (``reject``: timeout / displaced) or sent back (``replica_gone``)."""
         self.registry.advance(now)
         if not self._jobs and not self._outbox:  # nothing queued (most calls): the amortized sweep alone
+            if self._unheld and self.admission.unpark_due(now):
+                self._settle_holds()  # the sweep reads parked prefixes, which a hold may touch
             self.admission.unpark_idle(now)
             return []
         self._settle_holds()

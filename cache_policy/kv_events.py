@@ -138,7 +138,7 @@ class KvEventApplier:
     def apply(self, replica: ReplicaId, events: Iterable[KvEvent], now: float) -> None:
         """Apply ``events`` of ``replica`` in order, at time ``now``; marks it event-fed."""
         state = self._state(replica)
-        self.index.set_event_fed(replica)
+        self.index.set_event_fed(replica, now=now)
         for event in events:
             state.counts.events += 1
             if isinstance(event, BlockStored):

@@ -103,10 +103,12 @@ class PrefixIndex:
         self.settle()
         return self._confirmed[replica]
 
-    def set_event_fed(self, replica: ReplicaId, fed: bool = True) -> None:
+    def set_event_fed(self, replica: ReplicaId, fed: bool = True, now: float | None = None) -> None:
         """Mark ``replica`` as publishing KV events (its predictions expire) or not. Its
-        predictions made before it was fed expire ``predicted_ttl_s`` from now, unless confirmed."""
+        predictions made before it was fed expire ``predicted_ttl_s`` after ``now`` (default: the
+        latest time the index was given), unless confirmed."""
         self.settle()
+        self._clock(now)
         if not fed:
             self._event_fed.discard(replica)
             return
@@ -115,7 +117,7 @@ class PrefixIndex:
         self._event_fed.add(replica)
         if not self._per_replica.get(replica):
             return
-        entries, stamp = self._entries, self._now
+        entries, stamp = self._entries, self._now if now is None else now
         for h, holders in list(entries.items()):
             if holders.__class__ is str:
                 if holders == replica:

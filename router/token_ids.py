@@ -57,7 +57,7 @@ class SplitBody(NamedTuple):
 
 _last: tuple[bytes, str, SplitBody | None] | None = None
 """The last answer of :func:`split_ids`: the fast lane splits a body to screen it, and the
-completions handler then asks again for the same bytes object."""
+completions handler then asks again for the same bytes."""
 
 
 def split_ids(raw: bytes, key: str) -> SplitBody | None:
@@ -66,13 +66,13 @@ def split_ids(raw: bytes, key: str) -> SplitBody | None:
     ``[0, 2**32)`` (``cache_policy.native`` ``split_ids``: one C pass, no Python int per ID).
     None whenever that is not certain (another value, a negative or fractional ID, the key twice
     or escaped, no extension): the caller decodes ``raw`` whole, which gives the same body. The
-    last answer is kept for the same ``raw`` object (bytes do not change; the one kept cannot be
-    freed and its id reused while it is kept)."""
+    last answer is kept and given again for equal bytes (the lane's body, handed to aiohttp, comes
+    back to the handler as another bytes object with the same content)."""
     global _last
     if not _SPLIT_OK:
         return None
     last = _last
-    if last is not None and last[0] is raw and last[1] == key:
+    if last is not None and last[1] == key and (last[0] is raw or last[0] == raw):  # == : a memcmp, not a split
         return last[2]
     found = NATIVE.split_ids(raw, key.encode(), b"stream")
     split = None

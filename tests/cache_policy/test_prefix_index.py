@@ -288,3 +288,14 @@ def test_a_block_held_by_one_replica_is_no_object_of_its_own() -> None:
     index.remove(hs(5, 500), A)
     assert index.blocks_of(A) == 249 and index.blocks_of(B) == 3
     index.check_integrity()
+
+
+def test_predictions_made_before_a_replica_is_fed_expire_a_ttl_after_it_is():
+    """A first KV-event batch at ``now`` = 100 marks the replica fed: its predictions from time 0
+    get ``predicted_ttl_s`` from 100, not from the index's last time (a fresh attacker's report:
+    they all expired at the next read)."""
+    index = PrefixIndex(100, predicted_ttl_s=10.0)
+    index.insert(hs(1, 2, 3), A, 0.0)
+    index.set_event_fed(A, now=100.0)
+    assert index.match(hs(1, 2, 3), 100.0) == {A: 3}
+    assert index.match(hs(1, 2, 3), 110.5) == {}
