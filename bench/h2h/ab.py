@@ -8,10 +8,14 @@ the bare-protocol floor under both (``bench.h2h.bare``: uvloop and httptools, no
 through each router in turn, rotating which goes first, so the machine's drift hits all alike.
 Prints per router the added latency (p50 and p99 of routed minus direct, ms) and its CPU per
 request (user + system of its process, all threads, ms). A checkout is a folder with this
-repository's code at some commit, e.g. ``git worktree add /tmp/before HEAD~1``.
+repository's code at some commit, e.g. ``git worktree add /tmp/before HEAD~1``. ``--rust``
+adds Rust routers that take token-ID prompts (vllm-router's policies, from ``--rust-venv``) to the
+same interleaving: the one comparison with them that the machine's drift does not skew (``python
+-m bench.h2h --latency-only`` runs the routers one after another).
 
     python -m bench.h2h.ab /tmp/before .          # 1,000 requests each
     python -m bench.h2h.ab /tmp/before . --requests 2000 --tokens 4000
+    python -m bench.h2h.ab . --rust "vllm-router round_robin" "vllm-router cache_aware"
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from bench.h2h import profile
 from bench.h2h.cli import replica_process
 from bench.h2h.drive import VOCAB_HI, VOCAB_LO
 from bench.h2h.latency import cpu_s, pct
-from bench.h2h.routers import ROOT, free_port
+from bench.h2h.routers import ALL, ROOT, RouterSpec, command, free_port
 
 READY_S = 120.0
 
@@ -48,6 +52,10 @@ FLOORS = {
 """The pass-throughs measured beside the checkouts: row name, module, extra arguments. The middle
 one is the aiohttp server with ours' replica client (``router.upstream``): ours minus it is what
 the router's own work costs; it minus ``bare`` is what the server framework costs."""
+
+
+_RUST = [s for s in ALL if s.kind == "vllm"]
+"""The Rust routers ``--rust`` may add: those whose ``/v1/completions`` takes token IDs."""
 
 
 async def _ready(http: aiohttp.ClientSession, url: str, proc: subprocess.Popen, name: str) -> None:
@@ -69,7 +77,8 @@ async def _ready(http: aiohttp.ClientSession, url: str, proc: subprocess.Popen, 
 
 
 async def run(checkouts: list[Path], requests: int, tokens: int, seed: int, warmup: int = 50,
-              spy_venv: Path | None = None) -> dict[str, dict]:
+              spy_venv: Path | None = None, rust: list[RouterSpec] = (), rust_venv: Path | None = None,
+              ) -> dict[str, dict]:
     """Added latency and CPU per request of each checkout's router and of the floor; with ``spy_venv``
     (a venv holding py-spy), the last checkout's router is sampled during the timed requests and its
     result holds ``profile`` (``bench.h2h.profile.top_frames``)."""
@@ -82,15 +91,19 @@ async def run(checkouts: list[Path], requests: int, tokens: int, seed: int, warm
         config.write_text(f"replicas:\n  urls: [{urls[0]}]\n")
         procs: dict[str, tuple[subprocess.Popen, str]] = {}
         try:
-            for k, root in enumerate([*checkouts, *FLOORS]):
+            for k, root in enumerate([*checkouts, *FLOORS, *rust]):
                 port = free_port()
-                floor = root in FLOORS
-                name = FLOORS[root][0] if floor else f"{k + 1}: {root}"
-                argv = ([sys.executable, "-m", FLOORS[root][1], "--port", str(port), urls[0], *FLOORS[root][2]]
-                        if floor
-                        else [sys.executable, "-m", "router", "serve", "--config", str(config), "--host", "127.0.0.1",
-                              "--port", str(port), "--log-level", "WARNING"])
-                cwd = ROOT if floor else root
+                floor = isinstance(root, str)
+                if isinstance(root, RouterSpec):
+                    name, cwd = root.name, ROOT
+                    argv = command(root, urls[:1], port, rust_venv or ROOT / ".venv-h2h", work)
+                elif floor:
+                    name, cwd = FLOORS[root][0], ROOT
+                    argv = [sys.executable, "-m", FLOORS[root][1], "--port", str(port), urls[0], *FLOORS[root][2]]
+                else:
+                    name, cwd = f"{k + 1}: {root}", root
+                    argv = [sys.executable, "-m", "router", "serve", "--config", str(config), "--host", "127.0.0.1",
+                            "--port", str(port), "--log-level", "WARNING"]
                 with open(work / f"router-{k}.log", "ab") as log:
                     procs[name] = (subprocess.Popen(argv, cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
                                                     start_new_session=True, env={**os.environ, "PYTHONPATH": str(cwd)}),
@@ -150,12 +163,21 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--py-spy", type=Path, default=None, metavar="VENV",
                    help="sample the last checkout's router with VENV/bin/py-spy; prints its top frames")
+    p.add_argument("--rust", nargs="+", default=[], metavar="ROUTER",
+                   help="Rust routers to interleave too, by name (taking token-ID prompts): "
+                        + ", ".join(repr(s.name) for s in _RUST))
+    p.add_argument("--rust-venv", type=Path, default=ROOT / ".venv-h2h", help="the venv holding vllm-router")
     args = p.parse_args(argv)
+    by_name = {s.name: s for s in _RUST}
+    for name in args.rust:
+        if name not in by_name:
+            p.error(f"--rust {name!r}: one of {', '.join(by_name)}")
     for c in args.checkouts:
         if not (c / "router" / "__main__.py").is_file():
             p.error(f"{c} does not hold this repository (no router/__main__.py)")
     result = asyncio.run(run([c.resolve() for c in args.checkouts], args.requests, args.tokens, args.seed,
-                             spy_venv=args.py_spy.resolve() if args.py_spy else None))
+                             spy_venv=args.py_spy.resolve() if args.py_spy else None,
+                             rust=[by_name[n] for n in args.rust], rust_venv=args.rust_venv.resolve()))
     spied = result.pop("profile", None)
     table = Table(title=f"Router-added latency, {args.requests} interleaved {args.tokens}-token prompts, one replica "
                         f"(direct p50 {next(iter(result.values()))['direct_p50_ms']:.2f} ms)")

@@ -125,6 +125,18 @@ def test_ab_measures_a_checkout_beside_the_pass_through_floor():
         assert row["cpu_ms_per_request"] > 0 and row["direct_p50_ms"] > 0
 
 
+def test_ab_takes_only_rust_routers_that_read_token_ids(capsys):
+    """``--rust`` names vllm-router's policies; sglang-router (text prompts only) or a typo is a
+    usage error before anything starts."""
+    from bench.h2h.ab import main
+    from bench.h2h.routers import ROOT
+
+    for name in ("sglang-router round_robin", "vllm-router nope"):
+        with pytest.raises(SystemExit) as exc:
+            main([str(ROOT), "--rust", name])
+        assert exc.value.code == 2 and "vllm-router round_robin" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("refusals, ok, retries, errors", [(2, 1, 2, {}), (3, 0, 2, {"429": 1}), (0, 1, 0, {})])
 def test_the_drive_retries_429_after_retry_after_as_the_openai_sdk_does(refusals, ok, retries, errors):
     """A router answering 429 (Retry-After: 0) ``refusals`` times, then 200: the drive retries
