@@ -219,7 +219,15 @@ class ReplicaSet(Membership):
         block size differs from the other replicas' (one prefix hash needs one block size)."""
         if not await ops.is_healthy(self._session, url):
             raise StartupError(f"{what} {url} does not answer GET /health")
-        m = await ops.fetch_metrics(self._session, url)
+        try:
+            m = await ops.fetch_metrics(self._session, url)
+        except aiohttp.ClientResponseError as exc:
+            hint = (": it needs an API key (started with --api-key), which the router has no way to send to a "
+                    "replica it did not launch; start it without one and keep it reachable only through the router"
+                    if exc.status in (401, 403) else "")
+            raise StartupError(f"{what} {url} answers GET /metrics with HTTP {exc.status}{hint}") from None
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            raise StartupError(f"{what} {url}: GET /metrics failed ({exc!r})") from None
         others = [e for i, e in self._endpoints.items() if i != index]
         block_size = agreed_block_size(f"{what} {url}", m.block_size, self.cfg.block_size, others)
         served = await fetch_served_model(self._session, url)

@@ -210,7 +210,10 @@ async def error_middleware(request: web.Request, handler):
     except RouterError as exc:
         if exc.status >= 500:
             log.warning("%s %s -> %d: %s", request.method, request.path, exc.status, exc.message)
-        return error_response(exc.status, exc.message, param=exc.param, headers=exc.headers)
+        resp = error_response(exc.status, exc.message, param=exc.param, headers=exc.headers)
+        if exc.status == 408:  # the rest of a late body may still come: it must not read as a next request
+            resp.force_close()
+        return resp
     except web.HTTPException as exc:
         if exc.status < 400:
             raise

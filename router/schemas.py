@@ -176,20 +176,37 @@ ENDPOINTS = {"/v1/completions": (CompletionRequest, "Create a completion (OpenAI
              "/v1/score": (ScoreBody, "Score K responses to one context (teacher log-probabilities)")}
 
 
+ERROR_RESPONSES = {
+    "400": "Invalid request: `error.param` names the field",
+    "401": "Missing or unknown API key (`router.api_keys`)",
+    "403": "The key may not do this (its tenant is fixed, or the tenant header is not allowed)",
+    "408": "The body did not arrive within `router.body_timeout_s`",
+    "409": "`weight_version` is older than `router.max_staleness` allows",
+    "413": "The body is over `router.max_body_bytes`",
+    "415": "A `Content-Encoding` the router does not undo",
+    "429": "Admission is full (KV cache or queue): retry after `Retry-After` seconds",
+    "502": "The replicas failed the request and retries ran out",
+    "503": "No replica can take it now, or the router is stopping: retry after `Retry-After` seconds",
+}
+"""The errors a generation or scoring request can get, each an ``{"error": {...}}`` body."""
+
+
 @lru_cache(maxsize=1)
 def openapi_document() -> dict[str, Any]:
     """The router's OpenAPI 3.1 document: request schemas from the models, errors as
     ``{"error": {"message", "type", "param", "code"}}``."""
     _, defs = models_json_schema([(m, "validation") for m, _ in ENDPOINTS.values()],
                                  ref_template="#/components/schemas/{model}")
-    error = {"description": "Invalid request: `error.param` names the field",
-             "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+    def error(description: str) -> dict[str, Any]:
+        return {"description": description,
+                "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+
+    errors = {code: error(text) for code, text in ERROR_RESPONSES.items()}
     schemas = {**defs.get("$defs", {}), "Error": _ERROR_SCHEMA}
     paths: dict[str, Any] = {path: {"post": {
         "summary": summary, "requestBody": {"required": True, "content": {"application/json": {
             "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}},
-        "responses": {"200": {"description": "The replica's answer, annotated with `rollout_router`"},
-                      "400": error, "401": error, "413": error, "429": error, "503": error}}}
+        "responses": {"200": {"description": "The replica's answer, annotated with `rollout_router`"}, **errors}}}
         for path, (model, summary) in ENDPOINTS.items()}
     for path, summary in (("/v1/models", "The served model"), ("/health", "Replica health"),
                           ("/metrics", "Prometheus metrics"), ("/openapi.json", "This document")):
@@ -198,7 +215,8 @@ def openapi_document() -> dict[str, Any]:
         "summary": "End a session: its pin and parked prefix are released at once",
         "parameters": [{"name": "session_id", "in": "path", "required": True, "schema": {"type": "string"}}],
         "responses": {"200": {"description": "`{\"session_id\", \"ended\"}`: ended is false for an unknown "
-                                             "or already ended session"}, "400": error, "401": error}}}
+                                             "or already ended session"},
+                      **{code: errors[code] for code in ("400", "401", "403")}}}}
     return {"openapi": "3.1.0", "info": {"title": "rollout-router", "version": package_version()},
             "paths": paths, "components": {"schemas": schemas}}
 

@@ -50,6 +50,26 @@ async def test_an_unreachable_url_fails_start_by_name():
     assert str(err.value) == f"replicas.urls[0] {url} does not answer GET /health"
 
 
+@pytest.mark.parametrize("status, hint", [(401, "needs an API key"), (500, "")])
+async def test_a_url_whose_metrics_are_refused_fails_start_in_one_line(status, hint):
+    """A server started with ``--api-key`` answers /health but refuses /metrics: a one-line
+    refusal naming the URL and the status, not a traceback (a fresh user's report)."""
+    from aiohttp import web
+
+    from replicas.config import StartupError
+    from tests.loopback import app_on_loopback
+
+    app = web.Application()
+    app.router.add_get("/health", lambda _: web.Response(text=""))
+    app.router.add_get("/metrics", lambda _: web.Response(status=status, text="no"))
+    async with app_on_loopback(app) as url:
+        with pytest.raises(StartupError) as err:
+            await ReplicaSet(ReplicaSetConfig(urls=(url,))).start()
+    message = str(err.value)
+    assert message.startswith(f"replicas.urls[0] {url} answers GET /metrics with HTTP {status}")
+    assert (hint in message) and ("\n" not in message)
+
+
 def test_replica_ids():
     assert replica_id(3) == "replica-3" and replica_index("replica-12") == 12
     with pytest.raises(KeyError):

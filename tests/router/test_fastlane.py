@@ -166,6 +166,22 @@ async def test_a_body_in_pieces_is_waited_for_and_a_late_one_is_the_edges_408():
         assert len(replica.bodies) == 1
 
 
+async def test_aiohttps_408_closes_the_connection_as_the_lanes_does():
+    """A chat body (aiohttp's) that never completes: 408 with ``Connection: close``, then closed,
+    so the rest of a late body cannot read as a next request (a fresh attacker saw aiohttp keep it)."""
+    async with fake_replica() as replica, edge_router(replica, body_timeout_s=0.5) as (url, _):
+        conn = await Conn.open(url)
+        host = urlsplit(url).netloc.encode()
+        await conn.send(b"POST /v1/chat/completions HTTP/1.1\r\nHost: " + host +
+                        b"\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"mess")
+        status, head, body = await conn.answer(timeout=5)
+        assert status == 408 and AIOHTTP_SERVER in head and b"Connection: close" in head
+        await conn.send(b"a" * 94 + completion([5, 6, 7]))  # the late rest, then what would read as a request
+        assert await conn.closed_by_server()  # aiohttp lingers over the rest of the body, then closes
+        conn.close()
+        assert replica.bodies == []
+
+
 async def test_an_idle_lane_connection_is_closed_after_the_header_timeout():
     async with fake_replica() as replica, edge_router(replica, header_timeout_s=0.5) as (url, _):
         conn = await Conn.open(url)

@@ -148,3 +148,8 @@ def test_openapi_document_is_built_from_the_models():
     assert "generation prompt" in chat["properties"]["add_generation_prompt"]["description"]
     assert doc["paths"]["/v1/score"]["post"]["responses"]["400"]["content"]["application/json"]["schema"] == {
         "$ref": "#/components/schemas/Error"}
+    # each error its own description (all read "Invalid request" before a fresh user's report)
+    responses = doc["paths"]["/v1/completions"]["post"]["responses"]
+    assert {"400", "401", "403", "408", "409", "413", "415", "429", "502", "503"} <= set(responses)
+    assert "Retry-After" in responses["429"]["description"] and "max_body_bytes" in responses["413"]["description"]
+    assert len({r["description"] for r in responses.values()}) == len(responses)
