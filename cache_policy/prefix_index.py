@@ -171,7 +171,7 @@ class PrefixIndex:
                 if holders.__class__ is str:
                     if holders == replica:
                         continue  # not fed (the class invariant): nothing to stamp
-                    entries[h] = holders = {holders: 0.0}
+                    entries[h] = holders = _as_dict(holders)
                 state = holders.get(replica, stamp)
                 if replica not in holders:
                     added += 1
