@@ -70,7 +70,8 @@ class Flight:
 
     ``streaming``: its answer streams to the client (it is kept across an update, never
     preempted); ``task``: the request's own task, running the attempt (``preempt`` cancels it,
-    ``_fly`` takes the cancel back; None once the attempt returned); ``tokens``: tokens relayed so far per choice index (streams); ``spans``: the
+    ``_fly`` takes the cancel back; None once the attempt returned); ``tokens``: tokens relayed
+    so far per choice index (streams); ``spans``: the
     versions its tokens were computed under (``router.responses.span``), the last one current."""
 
     job: Job
