@@ -14,6 +14,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # transformers imports; vLLM's text path does not need them.
   .venv/bin/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
   echo "$want" > "$stamp"
+  echo "setup: installed; building the C extension and generating the tiny test models (once) ..." >&2
 fi
 # the C extension (cache_policy._native): rebuilt here on every run, so a changed _native.c is
 # never run stale; a no-op when up to date. Without a compiler the Python path runs (slower).
