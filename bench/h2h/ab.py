@@ -93,11 +93,10 @@ async def run(checkouts: list[Path], requests: int, tokens: int, seed: int, warm
         try:
             for k, root in enumerate([*checkouts, *FLOORS, *rust]):
                 port = free_port()
-                floor = isinstance(root, str)
                 if isinstance(root, RouterSpec):
                     name, cwd = root.name, ROOT
                     argv = command(root, urls[:1], port, rust_venv or ROOT / ".venv-h2h", work)
-                elif floor:
+                elif root in FLOORS:
                     name, cwd = FLOORS[root][0], ROOT
                     argv = [sys.executable, "-m", FLOORS[root][1], "--port", str(port), urls[0], *FLOORS[root][2]]
                 else:
