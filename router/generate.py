@@ -79,8 +79,8 @@ async def forward(client: web.Request, parsed: ParsedRequest, token_ids: list[in
             raise RetryElsewhere(f"replica {endpoint.replica_id} answered HTTP {resp.status}: "
                                  f"{resp.raw[:200].decode('utf-8', 'replace')}")
         if isinstance(resp, UpstreamResult):
-            cached = _cached_tokens(resp.payload)
-            job.generated_tokens = _completion_tokens(resp.payload)
+            cached = resp.cached_tokens()
+            job.generated_tokens = resp.completion_tokens()
             resp = json_answer(resp, job, core, parsed.endpoint, expose_cached=expose, spans=flight.spans,
                                reruns=life.reruns.get(job.id, 0))
             flight.answering = True  # from here on the client has (part of) this answer
@@ -98,17 +98,3 @@ async def forward(client: web.Request, parsed: ParsedRequest, token_ids: list[in
     return await life.run(spec, attempt, status=lambda r: r.status, failed=lambda r: bool(r.get(FAILED)),
                           streaming=parsed.stream)
 
-
-def _completion_tokens(payload: Any) -> int | None:
-    """``usage.completion_tokens`` of a replica's answer (None if absent)."""
-    if not isinstance(payload, dict):
-        return None
-    n = (payload.get("usage") or {}).get("completion_tokens")
-    return n if isinstance(n, int) and n >= 0 else None
-
-
-def _cached_tokens(payload: Any) -> int | None:
-    if not isinstance(payload, dict):
-        return None
-    cached = ((payload.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
-    return cached if isinstance(cached, int) else None

@@ -13,7 +13,6 @@ import contextlib
 import functools
 import json
 import logging
-from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -97,16 +96,81 @@ async def _send(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> 
     raise AssertionError("unreachable")
 
 
-@dataclass(frozen=True)
 class UpstreamResult:
-    """A non-streamed upstream answer: HTTP status and decoded JSON (or None if not JSON)."""
+    """A non-streamed upstream answer: its HTTP status, its bytes (``raw``) and, decoded on first
+    read, its JSON (``payload``: None if not JSON). A completion's answer is mostly never decoded
+    whole: :meth:`usage` reads only its ``usage`` member, and ``router.responses.json_answer``
+    splices the ``rollout_router`` object into the bytes."""
 
-    status: int
-    payload: Any
-    raw: bytes
-    strict: bool = True
-    """The body was strict JSON (msgspec decoded it): re-encoding it with msgspec gives the same
-    values. False when only ``json`` could (``NaN``, ``Infinity``), which ``json.dumps`` keeps."""
+    __slots__ = ("status", "raw", "_payload", "_strict", "_usage", "_object")
+
+    def __init__(self, status: int, raw: bytes) -> None:
+        self.status, self.raw = status, raw
+        self._payload: Any = _UNREAD
+        self._strict = True
+        self._usage: Any = _UNREAD
+        self._object = False
+
+    @property
+    def payload(self) -> Any:
+        """The body decoded: by msgspec (about 4x faster), else by ``json``, whose verdict stands
+        (``NaN``, ``-Infinity``, integers past 64 bits, invalid JSON: as in ``router.body``)."""
+        if self._payload is _UNREAD:
+            self._payload, self._strict = _decode(self.raw)
+        return self._payload
+
+    @property
+    def strict(self) -> bool:
+        """The body was strict JSON (msgspec decoded it): re-encoding it with msgspec gives the same
+        values. False when only ``json`` could (``NaN``, ``Infinity``), which ``json.dumps`` keeps."""
+        self.payload  # noqa: B018 - decodes it
+        return self._strict
+
+    def usage(self) -> dict[str, Any] | None:
+        """The answer's ``usage`` object (None when it is no JSON object or has no such object).
+        Read alone when the body is strict JSON, the rest parsed but not built (a completion with
+        prompt logprobs is tens of KB of JSON)."""
+        if self._usage is _UNREAD:
+            if self._payload is _UNREAD:
+                try:
+                    self._usage, self._object = _DECODE_USAGE(self.raw).usage, True
+                except (msgspec.DecodeError, msgspec.ValidationError):
+                    pass
+            if self._usage is _UNREAD:
+                payload = self.payload
+                self._object = self._strict and isinstance(payload, dict)
+                self._usage = payload.get("usage") if isinstance(payload, dict) else None
+            if not isinstance(self._usage, dict):
+                self._usage = None
+        return self._usage
+
+    def cached_tokens(self) -> int | None:
+        """``usage.prompt_tokens_details.cached_tokens``: prompt tokens the replica reused (None if absent)."""
+        cached = ((self.usage() or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
+        return cached if isinstance(cached, int) else None
+
+    def completion_tokens(self) -> int | None:
+        """``usage.completion_tokens`` (None if absent)."""
+        n = (self.usage() or {}).get("completion_tokens")
+        return n if isinstance(n, int) and n >= 0 else None
+
+    def is_strict_object(self) -> bool:
+        """Whether the body is one strict JSON object (msgspec reads it): bytes that can be passed
+        on as they are, members added (``router.responses.splice_member``)."""
+        self.usage()
+        return self._object
+
+
+_UNREAD = object()
+
+
+class _Answer(msgspec.Struct):
+    """A JSON object whose ``usage`` member alone is built (``UpstreamResult.usage``)."""
+
+    usage: Any = None
+
+
+_DECODE_USAGE = msgspec.json.Decoder(_Answer).decode
 
 
 def encode_parts(body: dict[str, Any]) -> tuple[bytes, ...]:
@@ -167,21 +231,23 @@ async def _end_with_error(resp: web.StreamResponse, message: str) -> None:
 _DECODE = msgspec.json.Decoder().decode
 
 
-def upstream_result(status: int, raw: bytes) -> UpstreamResult:
-    """An upstream answer's status and body, with the body decoded if it is JSON: by msgspec
-    (about 4x faster), else by ``json``, whose verdict stands (``NaN``, ``-Infinity``, integers
-    past 64 bits, invalid JSON: as in ``router.body``)."""
+def _decode(raw: bytes) -> tuple[Any, bool]:
+    """``raw`` as JSON (None if it is none, or empty) and whether msgspec could read it."""
     if not raw:
-        return UpstreamResult(status, None, raw)
+        return None, True
     try:
-        return UpstreamResult(status, _DECODE(raw), raw)
+        return _DECODE(raw), True
     except msgspec.DecodeError:
         pass
     try:
-        payload = json.loads(raw)
+        return json.loads(raw), False
     except (UnicodeDecodeError, json.JSONDecodeError):
-        payload = None
-    return UpstreamResult(status, payload, raw, strict=False)
+        return None, False
+
+
+def upstream_result(status: int, raw: bytes) -> UpstreamResult:
+    """An upstream answer's status and body (:class:`UpstreamResult`: decoded when read)."""
+    return UpstreamResult(status, raw)
 
 
 async def relay_stream(client: web.Request, http: aiohttp.ClientSession, url: str, body: dict[str, Any],

@@ -57,19 +57,43 @@ def annotation(job: Job, core: DecisionCore, *, expose_cached: bool = True, cach
 def json_answer(result: UpstreamResult, job: Job, core: DecisionCore, endpoint: str, *,
                 expose_cached: bool = True, spans: list[dict[str, Any]] | None = None,
                 reruns: int = 0) -> web.Response:
-    """A replica's whole answer for the client: annotated on 200, its 4xx with our field names."""
+    """A replica's whole answer for the client: annotated on 200, its 4xx with our field names.
+
+    A 200 answer's bytes are kept as the replica wrote them, with the ``rollout_router`` object
+    spliced in as their last member (:func:`splice_member`): no decode and re-encode of a body
+    that prompt logprobs make tens of KB. An answer that is not a strict JSON object, or already
+    has a ``rollout_router`` member, is decoded and re-encoded with ours in its place."""
     headers = route_headers(job, expose_cached=expose_cached)
+    if result.status == 200:
+        note = annotation(job, core, expose_cached=expose_cached, spans=spans, reruns=reruns,
+                          cached=result.cached_tokens())
+        body = splice_member(result, "rollout_router", note)
+        if body is not None:
+            return web.Response(body=body, status=200, content_type="application/json", headers=headers)
     payload = result.payload
     if result.status == 200 and isinstance(payload, dict):
-        cached = ((payload.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
-        payload["rollout_router"] = annotation(job, core, expose_cached=expose_cached, spans=spans, reruns=reruns,
-                                               cached=cached if isinstance(cached, int) else None)
+        payload["rollout_router"] = note
         body = encode_body(payload) if result.strict else json.dumps(payload).encode()  # msgspec: NaN -> null
         return web.Response(body=body, status=200, content_type="application/json", headers=headers)
     if 400 <= result.status < 500 and isinstance(payload, dict):
         return web.Response(text=json.dumps(with_router_param(payload, endpoint, result.status)), status=result.status,
                             content_type="application/json", headers=headers)
     return web.Response(body=result.raw, status=result.status, content_type="application/json", headers=headers)
+
+
+def splice_member(result: UpstreamResult, name: str, value: Any) -> bytes | None:
+    """``result``'s JSON object bytes with ``"name": value`` added as their last member, or None
+    when that cannot be done on the bytes: the body is not a strict JSON object, or may already
+    have ``name`` (its decoded form must then replace the member)."""
+    raw = result.raw
+    if not result.is_strict_object() or (b'"' + name.encode() + b'"') in raw:
+        return None
+    end = raw.rstrip()
+    if not end.endswith(b"}"):
+        return None
+    inner = end[:-1].rstrip()
+    sep = b"" if inner.endswith(b"{") else b","
+    return b"".join((inner, sep, b'"', name.encode(), b'":', encode_body(value), b"}"))
 
 
 async def send_now(client: web.Request, resp: web.Response) -> None:
