@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import bisect
 import time
 
 from aiohttp import web
@@ -38,16 +39,84 @@ class _CachedLabels:
         super().clear()
 
 
+class _LoopValue:
+    """A sample's value without prometheus_client's lock (``values.MutexValue``): a router's
+    metrics are written and read (``generate_latest`` in its ``/metrics`` handler) on its event
+    loop's thread only, where the lock is an acquire and a release per update for nothing. The
+    request path updates about a dozen samples per request."""
+
+    __slots__ = ("_value", "_exemplar")
+    _multiprocess = False
+
+    def __init__(self, *_args, **_kwargs) -> None:
+        self._value = 0.0
+        self._exemplar = None
+
+    def inc(self, amount: float) -> None:
+        self._value += amount
+
+    def set(self, value: float, timestamp: float | None = None) -> None:
+        self._value = value
+
+    def set_exemplar(self, exemplar) -> None:
+        self._exemplar = exemplar
+
+    def get(self) -> float:
+        return self._value
+
+    def get_exemplar(self):
+        return self._exemplar
+
+
 class Counter(_CachedLabels, prometheus_client.Counter):
-    pass
+    """prometheus_client's Counter on :class:`_LoopValue`; ``inc`` of a sample in one step."""
+
+    def _metric_init(self) -> None:
+        super()._metric_init()
+        self._value = _LoopValue()
+
+    def inc(self, amount: float = 1, exemplar=None) -> None:
+        if amount >= 0 and not exemplar:
+            try:
+                self._value._value += amount
+                return
+            except AttributeError:  # a parent with labels: prometheus_client's error
+                pass
+        super().inc(amount, exemplar)
 
 
 class Gauge(_CachedLabels, prometheus_client.Gauge):
-    pass
+    """prometheus_client's Gauge on :class:`_LoopValue`; ``set`` of a sample in one step."""
+
+    def _metric_init(self) -> None:
+        super()._metric_init()
+        self._value = _LoopValue()
+
+    def set(self, value: float) -> None:
+        try:
+            self._value._value = float(value)
+        except AttributeError:  # a parent with labels: prometheus_client's error
+            super().set(value)
 
 
 class Histogram(_CachedLabels, prometheus_client.Histogram):
-    pass
+    """prometheus_client's Histogram on :class:`_LoopValue`; ``observe`` finds its bucket by
+    bisection (``le`` holds ``amount <= bound``: the first bound not below it)."""
+
+    def _metric_init(self) -> None:
+        super()._metric_init()
+        self._sum = _LoopValue()
+        self._buckets = [_LoopValue() for _ in self._upper_bounds]
+
+    def observe(self, amount: float, exemplar=None) -> None:
+        if not exemplar and amount == amount:  # NaN counts in no bucket, as prometheus_client's loop does
+            try:
+                self._sum._value += amount
+                self._buckets[bisect.bisect_left(self._upper_bounds, amount)]._value += 1
+                return
+            except AttributeError:  # a parent with labels: prometheus_client's error
+                pass
+        super().observe(amount, exemplar)
 
 
 class RouterMetrics:
