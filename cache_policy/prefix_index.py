@@ -21,7 +21,7 @@ object per block, and the cyclic garbage collector no longer walks 200,000 dicts
 from __future__ import annotations
 
 import itertools
-from collections import Counter, OrderedDict, deque
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -61,21 +61,28 @@ class PrefixIndex:
     * ``_per_replica[r]`` == number of entries holding ``r``; ``_confirmed[r]`` == number of
       entries where ``r`` is confirmed.
 
-    Order: ``_entries`` runs from least to most recently used. ``insert``, ``confirm`` and
-    ``match`` touch a prefix's hashes from its last block to its first, so block 0 is the
-    most recently used and a prefix is evicted from its tail first (as vLLM frees blocks in
-    reverse order): a chain never loses its head while keeping its tail. Eviction drops
-    whole entries (all replicas) from the least recently used end.
+    Order: ``_entries`` (a plain dict: a touched key is popped and put back) runs from least
+    to most recently used. ``insert``, ``confirm`` and ``match`` touch a prefix's hashes from
+    its last block to its first, so block 0 is the most recently used and a prefix is evicted
+    from its tail first (as vLLM frees blocks in reverse order): a chain never loses its head
+    while keeping its tail. Eviction drops whole entries (all replicas) from the least recently
+    used end: once the index holds more than ``max_blocks``, down to ``max_blocks -
+    evict_batch`` (default ``max_blocks // 64``), so a full index of 200,000 blocks evicts
+    about every dozen new prompts, in one pass, and not 250 entries per prompt one by one.
+    A plain dict costs one memory access per block where an ``OrderedDict`` costs two (its
+    linked list): on a full index a 4,000-token prompt's insert and evictions went from about
+    265 to 145 us.
     """
 
-    def __init__(self, max_blocks: int, predicted_ttl_s: float = 10.0) -> None:
+    def __init__(self, max_blocks: int, predicted_ttl_s: float = 10.0, *, evict_batch: int | None = None) -> None:
         if max_blocks < 1:
             raise ValueError(f"max_blocks (max_index_blocks) must be >= 1, got {max_blocks}")
         if not predicted_ttl_s > 0:
             raise ValueError(f"predicted_ttl_s must be > 0, got {predicted_ttl_s!r}")
         self.max_blocks = max_blocks
         self.predicted_ttl_s = predicted_ttl_s
-        self._entries: OrderedDict[BlockHash, ReplicaId | dict[ReplicaId, float | None]] = OrderedDict()
+        self.evict_batch = max_blocks // 64 if evict_batch is None else min(max(evict_batch, 0), max_blocks - 1)
+        self._entries: dict[BlockHash, ReplicaId | dict[ReplicaId, float | None]] = {}
         self._per_replica: Counter[ReplicaId] = Counter()
         self._confirmed: Counter[ReplicaId] = Counter()
         self._event_fed: set[ReplicaId] = set()
@@ -161,17 +168,19 @@ class PrefixIndex:
                 entries.update(zip(last_first, itertools.repeat(replica)))
             added = len(entries) - before  # not len(hashes): a hash repeated in ``hashes`` is one entry
             hashes = ()
+        pop = entries.pop
         for h in reversed(hashes):  # _holders inlined: this loop runs once per block of every request
-            holders = entries.get(h)
+            holders = pop(h, None)  # put back below: the most recently used end
             if holders is None:
                 entries[h] = replica if compact else {replica: stamp}
                 added += 1
             else:
-                entries.move_to_end(h)
                 if holders.__class__ is str:
                     if holders == replica:
+                        entries[h] = holders
                         continue  # not fed (the class invariant): nothing to stamp
-                    entries[h] = holders = _as_dict(holders)
+                    holders = _as_dict(holders)
+                entries[h] = holders
                 state = holders.get(replica, stamp)
                 if replica not in holders:
                     added += 1
@@ -334,13 +343,8 @@ class PrefixIndex:
         return self._now if now is None else now
 
     def _holders(self, h: BlockHash) -> dict[ReplicaId, float | None]:
-        holders = self._entries.get(h)
-        if holders is None:
-            holders = self._entries[h] = {}
-        else:
-            self._entries.move_to_end(h)
-            if holders.__class__ is str:
-                holders = self._entries[h] = _as_dict(holders)
+        holders = self._entries.pop(h, None)
+        holders = self._entries[h] = {} if holders is None else _as_dict(holders)
         return holders
 
     def _drop(self, h: BlockHash, holders, replica: ReplicaId) -> None:
@@ -361,16 +365,17 @@ class PrefixIndex:
             del counter[replica]
 
     def _touch(self, hashes: Sequence[BlockHash]) -> None:
-        move = self._entries.move_to_end
+        entries = self._entries
+        pop = entries.pop
         for h in reversed(hashes):
-            move(h)
+            entries[h] = pop(h)
 
     def _evict(self) -> None:
         entries = self._entries
         if len(entries) <= self.max_blocks:
             return
-        pop = entries.popitem
-        evicted = [pop(last=False)[1] for _ in range(len(entries) - self.max_blocks)]
+        oldest = list(itertools.islice(entries, len(entries) - self.max_blocks + self.evict_batch))
+        evicted = list(map(entries.pop, oldest))
         singles = [v for v in evicted if v.__class__ is str]
         held = Counter(singles)  # counted in C: one pass per block otherwise
         if len(singles) < len(evicted):

@@ -160,8 +160,8 @@ class _Naive:
     """An independent model of the index: a dict per block, LRU by re-inserting keys, expiry by
     scanning every entry. Slow and plain, for the model test below."""
 
-    def __init__(self, capacity: int, ttl: float, fed: set[ReplicaId]) -> None:
-        self.capacity, self.ttl, self.fed = capacity, ttl, fed
+    def __init__(self, capacity: int, ttl: float, fed: set[ReplicaId], batch: int = 0) -> None:
+        self.capacity, self.ttl, self.fed, self.batch = capacity, ttl, fed, batch
         self.entries: dict[BlockHash, dict[ReplicaId, float | None]] = {}
         self.expired = 0
 
@@ -171,8 +171,9 @@ class _Naive:
         return holders
 
     def _evict(self) -> None:
-        while len(self.entries) > self.capacity:
-            del self.entries[next(iter(self.entries))]
+        if len(self.entries) > self.capacity:  # past capacity: down to capacity - batch
+            while len(self.entries) > self.capacity - self.batch:
+                del self.entries[next(iter(self.entries))]
 
     def insert(self, hashes, replica, now) -> None:
         for h in reversed(hashes):
@@ -231,11 +232,13 @@ _MODEL_OPS = st.lists(st.tuples(st.sampled_from(["insert", "confirm", "match", "
 
 
 @settings(max_examples=400, deadline=None)
-@given(_MODEL_OPS, st.sets(st.sampled_from([A, B, C])))
-def test_the_index_answers_as_a_plain_dict_per_block_model(ops, fed) -> None:
+@given(_MODEL_OPS, st.sets(st.sampled_from([A, B, C])), st.sampled_from([None, 0, 5]))
+def test_the_index_answers_as_a_plain_dict_per_block_model(ops, fed, batch) -> None:
     """Single holders kept as their replica id (no dict per block) change nothing a caller reads:
-    matches, LRU order, per-replica counts, expiry of event-fed predictions, eviction."""
-    index, model = PrefixIndex(16, predicted_ttl_s=2.0), _Naive(16, 2.0, set(fed))
+    matches, LRU order, per-replica counts, expiry of event-fed predictions, eviction (in
+    batches past capacity)."""
+    index = PrefixIndex(16, predicted_ttl_s=2.0, evict_batch=batch)
+    model = _Naive(16, 2.0, set(fed), 16 // 64 if batch is None else batch)
     for replica in fed:
         index.set_event_fed(replica)
     clock = 0.0
