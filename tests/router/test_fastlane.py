@@ -10,6 +10,8 @@ from urllib.parse import urlsplit
 
 import aiohttp
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from router import keys
 from router.fastlane import _parse_head
@@ -359,3 +361,69 @@ async def test_a_client_that_does_not_read_stops_the_lane_taking_its_requests():
         await asyncio.sleep(1.0)
         assert len(replica.bodies) == served and served < 200 * 50
         sock.close()
+
+
+def _line_by_line(head: bytes, max_body: int):
+    """The lane's head parser as it was before its regular expressions (the reference)."""
+    import re
+    try:
+        text = head.decode("ascii")
+    except UnicodeDecodeError:
+        return None
+    lines = text.split("\r\n")
+    if lines[0] != "POST /v1/completions HTTP/1.1":
+        return None
+    pairs, length, close, seen = [], None, False, set()
+    for line in lines[1:]:
+        name, colon, value = line.partition(":")
+        if not colon or re.fullmatch(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+", name) is None:
+            return None
+        value = value.strip(" \t")
+        if not value.isprintable():
+            return None
+        lower = name.lower()
+        if lower in ("transfer-encoding", "content-encoding", "expect", "upgrade"):
+            return None
+        if lower == "content-length":
+            if length is not None or not value.isdigit() or len(value) > 12:
+                return None
+            length = int(value)
+        elif lower in ("host", "connection") and lower in seen:
+            return None
+        if lower == "connection":
+            tokens = {t.strip().lower() for t in value.split(",")}
+            if "upgrade" in tokens:
+                return None
+            close = "close" in tokens
+        seen.add(lower)
+        pairs.append((name, value))
+    if length is None or length > max_body or "host" not in seen:
+        return None
+    return pairs, length, close
+
+
+_NAMES = st.sampled_from(["Host", "host", "Content-Length", "content-length", "Connection", "X-Session-Id",
+                          "Transfer-Encoding", "Expect", "Upgrade", "Content-Type", "A b", "", "X:Y", "Ä", "x\ty"])
+_VALUES = st.sampled_from(["x", "12", " 12 ", "\t7\t", "0012", "1e3", "-1", "close", "keep-alive, Close", "Upgrade",
+                           "a\tb", "a\x00b", "a\rb", "a\nb", "é", "", "  ", "9" * 13, "100000000"])
+_LINES = st.lists(st.tuples(_NAMES, st.sampled_from([":", ": ", ":\t", ":", " :", ""]), _VALUES), max_size=5).flatmap(
+    lambda lines: st.permutations(lines + [("Host", ": ", "x"), ("Content-Length", ": ", "12")]))
+"""Header lines, a Host and a Content-Length among them (else no head is taken)."""
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.sampled_from(["POST /v1/completions HTTP/1.1", "POST /v1/completions HTTP/1.0", "GET /v1/completions HTTP/1.1",
+                        "POST /v1/completions?x=1 HTTP/1.1"]), _LINES, st.sampled_from([b"", b"\r\n", b" ", b"\n"]))
+async def test_the_head_parser_judges_as_the_line_by_line_one(request_line, lines, tail):
+    head = ("\r\n".join([request_line] + [n + c + v for n, c, v in lines])).encode("utf-8") + tail
+    ours, reference = _parse_head(head, 1 << 20), _line_by_line(head, 1 << 20)
+    assert (ours is None) == (reference is None), head
+    if ours is not None:
+        assert (list(ours[0].items()), ours[1], ours[2]) == tuple(reference)
+
+
+async def test_a_hostile_head_is_judged_without_backtracking():
+    """Spaces, tabs and name characters by the ten thousand before a byte that fails the line:
+    a pattern that backtracked over them would not return within the suite's time."""
+    for bad in (b" " * 20000 + b"\x01", b"\t " * 10000 + b"\x7f", b"a" * 20000 + b" :", b"Host:" + b" " * 20000 + b"\r"):
+        assert _parse_head(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX: " + bad, 1 << 20) is None
