@@ -84,7 +84,7 @@ async def forward(client: web.Request, parsed: ParsedRequest, token_ids: list[in
             resp = json_answer(resp, job, core, parsed.endpoint, expose_cached=expose, spans=flight.spans,
                                reruns=life.reruns.get(job.id, 0))
             flight.answering = True  # from here on the client has (part of) this answer
-            await send_now(client, resp)  # before the lifecycle releases the job, not after
+            resp = await send_now(client, resp)  # before the lifecycle releases the job, not after
         else:
             cached = resp.get(CACHED_TOKENS)
             job.generated_tokens = sum(flight.tokens.values())
@@ -95,6 +95,7 @@ async def forward(client: web.Request, parsed: ParsedRequest, token_ids: list[in
             metrics.count_prompt(job, len(token_ids), cached)
         return resp
 
-    return await life.run(spec, attempt, status=lambda r: r.status, failed=lambda r: bool(r.get(FAILED)),
+    return await life.run(spec, attempt, status=lambda r: r.status,
+                          failed=lambda r: isinstance(r, web.StreamResponse) and bool(r.get(FAILED)),
                           streaming=parsed.stream)
 

@@ -54,9 +54,28 @@ def annotation(job: Job, core: DecisionCore, *, expose_cached: bool = True, cach
     return out
 
 
+class JsonAnswer:
+    """A whole JSON answer, framed by whoever serves its request: the fast lane writes it as
+    bytes (``router.fastlane.encode_response``, which reads ``status``, ``reason``, ``headers``
+    and ``body`` as it reads a ``web.Response``'s), aiohttp as the ``web.Response`` of
+    :meth:`response`. No aiohttp response object is built for a request the lane serves.
+    ``headers``: the answer's own, ``Content-Type`` included (the framing adds the length)."""
+
+    __slots__ = ("status", "headers", "body")
+    reason = None
+
+    def __init__(self, status: int, headers: dict[str, str], body: bytes, *, charset: bool = False) -> None:
+        headers["Content-Type"] = "application/json; charset=utf-8" if charset else "application/json"
+        self.status, self.headers, self.body = status, headers, body
+
+    def response(self) -> web.Response:
+        """As aiohttp's response (``web.Response(text=..., content_type=...)`` adds the charset)."""
+        return web.Response(body=self.body, status=self.status, headers=self.headers)
+
+
 def json_answer(result: UpstreamResult, job: Job, core: DecisionCore, endpoint: str, *,
                 expose_cached: bool = True, spans: list[dict[str, Any]] | None = None,
-                reruns: int = 0) -> web.Response:
+                reruns: int = 0) -> JsonAnswer:
     """A replica's whole answer for the client: annotated on 200, its 4xx with our field names.
 
     A 200 answer's bytes are kept as the replica wrote them, with the ``rollout_router`` object
@@ -69,16 +88,16 @@ def json_answer(result: UpstreamResult, job: Job, core: DecisionCore, endpoint: 
                           cached=result.cached_tokens())
         body = splice_member(result, "rollout_router", note)
         if body is not None:
-            return web.Response(body=body, status=200, content_type="application/json", headers=headers)
+            return JsonAnswer(200, headers, body)
     payload = result.payload
     if result.status == 200 and isinstance(payload, dict):
         payload["rollout_router"] = note
         body = encode_body(payload) if result.strict else json.dumps(payload).encode()  # msgspec: NaN -> null
-        return web.Response(body=body, status=200, content_type="application/json", headers=headers)
+        return JsonAnswer(200, headers, body)
     if 400 <= result.status < 500 and isinstance(payload, dict):
-        return web.Response(text=json.dumps(with_router_param(payload, endpoint, result.status)), status=result.status,
-                            content_type="application/json", headers=headers)
-    return web.Response(body=result.raw, status=result.status, content_type="application/json", headers=headers)
+        return JsonAnswer(result.status, headers, json.dumps(with_router_param(payload, endpoint, result.status)).encode(),
+                          charset=True)
+    return JsonAnswer(result.status, headers, result.raw)
 
 
 def splice_member(result: UpstreamResult, name: str, value: Any) -> bytes | None:
@@ -96,16 +115,23 @@ def splice_member(result: UpstreamResult, name: str, value: Any) -> bytes | None
     return b"".join((inner, sep, b'"', name.encode(), b'":', encode_body(value), b"}"))
 
 
-async def send_now(client: web.Request, resp: web.Response) -> None:
+async def send_now(client: web.Request, resp: web.Response | JsonAnswer) -> web.StreamResponse | JsonAnswer:
     """Write the whole of ``resp`` to ``client`` now, so the client has its answer while the
     router still releases the job, counts and pumps the queue (aiohttp's own send after the
-    handler returns is then a no-op). A client already gone is no error of the replica's:
-    logged, and the handler returns as if it had been sent."""
-    try:
-        if isinstance(client, FastRequest):  # served by router.fastlane: it frames the answer
+    handler returns is then a no-op). Returns what the handler returns: ``resp`` on the fast
+    lane, the ``web.Response`` aiohttp sent otherwise. A client already gone is no error of the
+    replica's: logged, and the handler returns as if it had been sent."""
+    if isinstance(client, FastRequest):  # served by router.fastlane: it frames the answer
+        try:
             client.answer(resp)
-            return
+        except ConnectionResetError:
+            log.info("client left %s before its answer was written", client.path)
+        return resp
+    if isinstance(resp, JsonAnswer):
+        resp = resp.response()
+    try:
         await resp.prepare(client)
         await resp.write_eof()
     except ConnectionResetError:
         log.info("client left %s before its answer was written", client.path)
+    return resp
