@@ -35,14 +35,22 @@ def matched_in(pool: BlockPool, hashes: list[int]) -> int:
     return len(pool.lookup(hashes, len(hashes)))
 
 
-def run(capacity: int, steps: list[tuple[str, int, int]]) -> tuple[int, int]:
+class _Unbounded(FreeQueueModel):
+    """The model never forgetting a stamp: what it predicts is what the bounded model must."""
+
+    @staticmethod
+    def _trim(q, capacity_blocks) -> None:
+        pass
+
+
+def run(capacity: int, steps: list[tuple[str, int, int]], twin: FreeQueueModel | None = None) -> tuple[int, int]:
     """Drive sessions through ``steps``; return (predicted, found) blocks summed.
 
     ``("turn", s, out)``: session ``s`` sends its next turn (prompt = its stream so far,
     ``out`` output blocks to come), scheduled at once after every request in flight grew by
     ``grow`` blocks; ``("grow", k, _)``: the k-th flight decodes one block; ``("end", k, _)``:
     the k-th flight finishes. A turn that would overcommit the pool (sum of peaks) waits (is
-    skipped), as admission holds it.
+    skipped), as admission holds it. ``twin``: a second model driven alike, which must predict the same.
     """
     pool, model = BlockPool(capacity), FreeQueueModel()
     streams: dict[int, int] = {}
@@ -59,6 +67,9 @@ def run(capacity: int, steps: list[tuple[str, int, int]]) -> tuple[int, int]:
             if committed + peak > capacity:
                 continue
             predict = model.surviving(R, hashes, matched_in(pool, hashes), capacity - committed)
+            if twin is not None:
+                assert twin.surviving(R, hashes, matched_in(pool, hashes), capacity - committed) == predict
+                twin.hold(R, hashes)
             model.hold(R, hashes)
             hits = pool.lookup(hashes, n)
             assert len(hits) >= predict, f"predicted {predict} cached blocks, the engine had {len(hits)}"
@@ -80,6 +91,8 @@ def run(capacity: int, steps: list[tuple[str, int, int]]) -> tuple[int, int]:
             f = flights.pop(a % len(flights))
             pool.free(reversed(f.blocks))
             model.release(R, f.hashes, len(f.hashes) + f.out_blocks, capacity)  # full blocks only
+            if twin is not None:
+                twin.release(R, f.hashes, len(f.hashes) + f.out_blocks, capacity)
             done = sum(1 for blk in f.blocks if pool.block_hash[blk] is not None)
             streams[f.session] = done  # the next turn reuses every full block of this one
         pool.check_integrity()
@@ -98,6 +111,14 @@ step = st.one_of(
 @given(st.integers(12, 40), st.lists(step, max_size=120))
 def test_a_predicted_hit_is_found(capacity, steps):
     run(capacity, steps)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(12, 20), st.lists(step, min_size=100, max_size=400))
+def test_forgetting_old_stamps_predicts_what_remembering_them_all_would(capacity, steps):
+    """Stamps are dropped a generation at a time; each dropped one's rank bound passes the
+    capacity, so a model that never forgets predicts the same hits."""
+    run(capacity, steps, twin=_Unbounded())
 
 
 def test_an_idle_session_prefix_is_predicted_until_newer_work_would_evict_it():
