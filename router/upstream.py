@@ -70,6 +70,8 @@ class _Connection(asyncio.Protocol):
         self.received = False
         self.idle_since = 0.0
         self._body: list[bytes] = []
+        self._timer: asyncio.TimerHandle | None = None
+        """Fails the request in flight at its deadline (``send``)."""
 
     # -- asyncio.Protocol --
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -102,7 +104,7 @@ class _Connection(asyncio.Protocol):
         self._body.append(body)
 
     def on_message_complete(self) -> None:
-        waiter, self.waiter = self.waiter, None
+        waiter = self._take_waiter()
         answer = (self.parser.get_status_code(), b"".join(self._body))
         self._body = []
         if not self.parser.should_keep_alive():
@@ -111,12 +113,15 @@ class _Connection(asyncio.Protocol):
             waiter.set_result(answer)
 
     # -- use --
-    def send(self, data: Sequence[bytes]) -> asyncio.Future[tuple[int, bytes]]:
+    def send(self, data: Sequence[bytes], deadline: float) -> asyncio.Future[tuple[int, bytes]]:
         """Write one whole request, its pieces one after another; the future resolves to
-        ``(status, body)`` (or UpstreamLost)."""
+        ``(status, body)``, or fails with UpstreamLost, or with TimeoutError at ``deadline``
+        (loop time: the connection is then closed, so the replica aborts the request). One
+        timer handle per request, not an ``asyncio.timeout`` context (``bench.h2h.ab``)."""
         assert self.waiter is None and self.transport is not None, "bug: a request on a busy connection"
         self.received, self._body = False, []
-        waiter = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        waiter = loop.create_future()
         if self.closed or self.transport.is_closing():  # closed by the server since it was pooled
             waiter.set_exception(UpstreamLost("connection closed before the request", False))
             return waiter
@@ -126,6 +131,23 @@ class _Connection(asyncio.Protocol):
         except (OSError, RuntimeError) as exc:  # a transport that broke under the write
             self.waiter = None
             waiter.set_exception(UpstreamLost(f"write failed ({exc!r})", False))
+            return waiter
+        self._timer = loop.call_at(deadline, self._time_out)
+        return waiter
+
+    def _time_out(self) -> None:
+        self._timer = None
+        waiter = self._take_waiter()
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(TimeoutError("the replica did not answer in time"))
+        self.close()
+
+    def _take_waiter(self) -> asyncio.Future[tuple[int, bytes]] | None:
+        """The request's future, now no longer the connection's; its deadline disarmed."""
+        waiter, self.waiter = self.waiter, None
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         return waiter
 
     def close(self) -> None:
@@ -134,7 +156,7 @@ class _Connection(asyncio.Protocol):
             self.transport.close()
 
     def _fail(self, exc: UpstreamLost) -> None:
-        waiter, self.waiter = self.waiter, None
+        waiter = self._take_waiter()
         if waiter is not None and not waiter.done():
             waiter.set_exception(exc)
 
@@ -189,28 +211,30 @@ class ReplicaClient:
         auth = b"" if key is None else "".join(f"{k}: {v}\r\n" for k, v in bearer(key).items()).encode()
         parts = (data,) if isinstance(data, (bytes, bytearray)) else tuple(data)
         request = (b"%s%sContent-Length: %d\r\n\r\n" % (head, auth, sum(map(len, parts))), *parts)
-        async with asyncio.timeout(self.timeout_s):
-            for attempt in (1, 2):
-                conn = await self._acquire(host, port, url)
-                try:
-                    answer = await conn.send(request)
-                except UpstreamLost as exc:
-                    conn.close()
-                    if exc.received:
-                        raise ReplicaUnreachable(f"{url}: {exc} in the middle of the answer") from exc
-                    if attempt == 2:
-                        raise ReplicaUnreachable(f"{url}: {exc} (twice, on a fresh connection too)") from exc
-                    log.info("stale connection to %s (%s): once more on a fresh one", url, exc)
-                    continue
-                except BaseException:  # cancelled or timed out: drop it, so vLLM aborts the request
-                    conn.close()
-                    raise
-                self._release(host, port, conn)
-                return answer
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_s
+        for attempt in (1, 2):
+            conn = await self._acquire(host, port, url, deadline)
+            try:
+                answer = await conn.send(request, deadline)
+            except UpstreamLost as exc:
+                conn.close()
+                if exc.received:
+                    raise ReplicaUnreachable(f"{url}: {exc} in the middle of the answer") from exc
+                if attempt == 2:
+                    raise ReplicaUnreachable(f"{url}: {exc} (twice, on a fresh connection too)") from exc
+                log.info("stale connection to %s (%s): once more on a fresh one", url, exc)
+                continue
+            except BaseException:  # cancelled or timed out: drop it, so vLLM aborts the request
+                conn.close()
+                raise
+            self._release(host, port, conn)
+            return answer
         raise AssertionError("unreachable")
 
-    async def _acquire(self, host: str, port: int, url: str) -> _Connection:
-        """A pooled connection still fit for a request, else a new one."""
+    async def _acquire(self, host: str, port: int, url: str, deadline: float) -> _Connection:
+        """A pooled connection still fit for a request, else a new one (within
+        ``connect_timeout_s`` and before ``deadline``, loop time: else TimeoutError)."""
         if self._closed:
             raise ReplicaUnreachable(f"{url}: the router's replica client is closed")
         idle = self._idle.get((host, port))
@@ -220,8 +244,10 @@ class ReplicaClient:
             if self._reusable(conn, loop.time()):
                 return conn
             conn.close()
+        if loop.time() >= deadline:
+            raise TimeoutError(f"{url}: no time left to connect")
         try:
-            async with asyncio.timeout(self.connect_timeout_s):
+            async with asyncio.timeout(min(self.connect_timeout_s, deadline - loop.time())):
                 _, conn = await loop.create_connection(_Connection, host, port)
         except OSError as exc:
             if _refused(exc):
