@@ -147,6 +147,9 @@ class FastLane(asyncio.Protocol):
         self.buffer = bytearray()
         self.task: asyncio.Task | None = None
         self._timer: asyncio.TimerHandle | None = None
+        self._deadline = 0.0
+        """When ``_on_deadline`` is due (loop time); the timer may fire earlier and wait on."""
+        self._on_deadline: Callable[[], None] | None = None
         self._closing = False
         self._close_after = False
         """The request being served asked for ``Connection: close``."""
@@ -178,7 +181,7 @@ class FastLane(asyncio.Protocol):
             self._count("499")
         self._closing = True
         self.lanes.discard(self)
-        self._disarm()
+        self._stop_timer()
         if self.task is not None and not self.task.done():
             self.task.cancel()  # the client went away: as aiohttp's handler_cancellation, vLLM aborts
 
@@ -276,10 +279,35 @@ class FastLane(asyncio.Protocol):
     # -- timers, hand-off, close -----------------------------------------------------------
 
     def _arm(self, seconds: float, callback: Callable[[], None]) -> None:
-        self._disarm()
-        self._timer = asyncio.get_running_loop().call_later(max(seconds, 0.0), callback)
+        """Run ``callback`` in ``seconds`` unless disarmed or armed again first. The timer handle
+        is kept across requests (idle deadlines only move later): a request re-arms with two
+        assignments, not a handle cancelled and another scheduled."""
+        loop = asyncio.get_running_loop()
+        self._deadline, self._on_deadline = loop.time() + max(seconds, 0.0), callback
+        if self._timer is not None and self._timer.when() <= self._deadline:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = loop.call_at(self._deadline, self._fire)
 
     def _disarm(self) -> None:
+        self._on_deadline = None  # the handle stays: _fire finds nothing due
+
+    def _fire(self) -> None:
+        self._timer = None
+        callback = self._on_deadline
+        if callback is None or self._closing:
+            return
+        loop = asyncio.get_running_loop()
+        if loop.time() < self._deadline:  # armed again since: wait on
+            self._timer = loop.call_at(self._deadline, self._fire)
+            return
+        self._on_deadline = None
+        callback()
+
+    def _stop_timer(self) -> None:
+        """The connection is done with the lane: no deadline of it runs."""
+        self._on_deadline = None
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -306,7 +334,7 @@ class FastLane(asyncio.Protocol):
 
     def _hand_off(self) -> None:
         """aiohttp's protocol takes the connection from here, with the bytes not yet answered."""
-        self._disarm()
+        self._stop_timer()
         self.lanes.discard(self)
         transport, data = self.transport, bytes(self.buffer)
         self.buffer.clear()
@@ -322,7 +350,7 @@ class FastLane(asyncio.Protocol):
     def close(self) -> None:
         """Close the connection (what is written still goes out)."""
         self._closing = True
-        self._disarm()
+        self._stop_timer()
         if self.transport is not None:
             self.transport.close()
 

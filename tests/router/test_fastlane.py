@@ -195,6 +195,20 @@ async def test_an_idle_lane_connection_is_closed_after_the_header_timeout():
         conn.close()
 
 
+async def test_the_idle_deadline_counts_from_the_last_answer_not_from_the_connection():
+    """The lane keeps one timer handle per connection and moves its deadline: a request served
+    late in the first idle period gets a whole idle period after its answer."""
+    async with fake_replica() as replica, edge_router(replica, header_timeout_s=0.8) as (url, _):
+        conn = await Conn.open(url)
+        await asyncio.sleep(0.5)
+        await conn.send(completion([5, 6]))
+        assert (await conn.answer())[0] == 200
+        answered = asyncio.get_running_loop().time()
+        assert await conn.closed_by_server(timeout=5)
+        assert asyncio.get_running_loop().time() - answered > 0.6  # the first deadline was 0.3 s after it
+        conn.close()
+
+
 async def test_connection_close_is_honoured():
     async with fake_replica() as replica, edge_router(replica) as (url, _):
         conn = await Conn.open(url)
