@@ -436,6 +436,11 @@ class DecisionCore:
             self.finish(job, "refused", now)
         return adm
 
+    def has_decisions(self) -> bool:
+        """Whether :meth:`pump` has jobs to decide or decided ones to hand out (else it would
+        only run the amortized idle sweep, which any later pump runs)."""
+        return bool(self._jobs or self._outbox)
+
     def pump(self, now: float) -> list[tuple[Job, Admission]]:
         """Jobs whose admission was decided since the last call: queued jobs admitted now, and
         jobs refused (``reject``: timeout / displaced) or sent back (``replica_gone``)."""

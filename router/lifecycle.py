@@ -237,7 +237,7 @@ class Lifecycle:
         if adm.verdict == "queue":
             self.metrics.admission_queued.labels(job.queued.priority).inc()
             adm = await self._wait(job)  # it pumps once its waiter is set: the pump may admit it at once
-        else:
+        elif self.core.has_decisions():  # nothing queued (most requests): no pump (finish's runs the sweep)
             self._deliver(self.core.pump(self.clock()))
         if adm.verdict == "reject":
             self.metrics.admission_rejected.labels(adm.reason).inc()
