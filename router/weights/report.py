@@ -48,7 +48,24 @@ def version_note(core: DecisionCore, job: Job, spans: list[dict[str, Any]] | Non
     """The version fields of ``job``'s answer (module docstring). ``spans``: its flight's (None:
     one span from now); ``cached``: the prompt tokens the replica says it reused, if it said;
     ``tokens``: a stream's final token counts per choice (spans without a token are dropped)."""
-    spans = [dict(s) for s in (spans or [first_span(core, job)])]
+    spans = spans or [first_span(core, job)]
+    if len(spans) == 1:  # most answers: one version from dispatch to end, the fields read off it
+        one = spans[0]
+        version = one["weight_version"]
+        if cached == 0 and version is not None:  # nothing reused: its own KV only
+            one = span(version, [version], one["from_token"])
+        else:
+            one = dict(one)
+        return {"weight_version": job.spec.weight_version if version is None else version,
+                "weight_versions": [] if version is None else [version], "kv_versions": list(one["kv_versions"]),
+                "hybrid": one["hybrid"], "spans": [one], "reruns": reruns}
+    return _note_of(job, spans, cached, reruns, tokens)
+
+
+def _note_of(job: Job, spans: list[dict[str, Any]], cached: int | None, reruns: int,
+             tokens: dict[int, int] | None) -> dict[str, Any]:
+    """:func:`version_note` over any number of spans (the general rule its one-span case follows)."""
+    spans = [dict(s) for s in spans]
     if tokens is not None and len(spans) > 1:
         spans = trim(spans, tokens)
     if cached == 0 and spans[0]["weight_version"] is not None:  # nothing reused: its own KV only

@@ -7,6 +7,8 @@ import json
 
 import aiohttp
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from aiohttp import web
 
 from cache_policy.config import PolicyConfig
@@ -136,3 +138,16 @@ def test_spans_without_tokens_are_dropped():
                                                       span(1, [1], {})], None, tokens={0: 9})["spans"]] == [1]
     both = version_note(core("keep"), placed(core("keep")), [first, later], None, tokens={0: 9})
     assert both["weight_versions"] == [0, 1] and both["hybrid"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.none() | st.integers(0, 5), st.lists(st.integers(0, 5), max_size=3), st.dictionaries(st.integers(0, 3), st.integers(0, 9), max_size=2),
+       st.none() | st.integers(0, 3), st.integers(0, 2), st.none() | st.just({0: 4}), st.none() | st.integers(0, 5))
+def test_a_one_span_note_is_the_general_rules(version, kv, from_token, cached, reruns, tokens, requested):
+    """``version_note``'s one-span shortcut gives what its general rule gives (and leaves the flight's span alone)."""
+    from router.weights.report import _note_of
+    job = placed(core("keep"), weight_version=requested)
+    spans = [span(version, kv, from_token)]
+    before = json.dumps(spans)
+    assert version_note(None, job, spans, cached, reruns, tokens) == _note_of(job, spans, cached, reruns, tokens)
+    assert json.dumps(spans) == before
