@@ -57,6 +57,7 @@ Handler = Callable[[Any], Awaitable[web.StreamResponse]]
 FAST_PATH = "/v1/completions"
 _REFUSED_HEADERS = frozenset({"transfer-encoding", "content-encoding", "expect", "upgrade"})
 _OWN_HEADERS = frozenset({"content-length", "transfer-encoding", "connection"})
+_PHRASES = {s.value: s.phrase for s in HTTPStatus}
 _CLOSE_SHUTDOWN_S = 5.0
 """How long a stopping router waits for lane requests still running (aiohttp's shutdown_timeout)."""
 
@@ -120,10 +121,14 @@ def encode_response(resp: web.Response, *, close: bool) -> bytes:
     body = resp.body if resp.body is not None else b""
     if not isinstance(body, (bytes, bytearray)):
         raise TypeError(f"the fast lane frames whole bodies only, not {type(body).__name__}")
-    reason = resp.reason or HTTPStatus(resp.status).phrase
-    lines = [f"HTTP/1.1 {resp.status} {reason}"]
+    status = resp.status
+    if status < 200 or status in (204, 304):
+        body = b""  # they have no body (a replica's bytes after one would read as a next answer)
+    reason = resp.reason or _PHRASES.get(status, "")  # a status without one (299, 430): "HTTP/1.1 299 ", as aiohttp
+    lines = [f"HTTP/1.1 {status} {reason}"]
     lines.extend(f"{k}: {v}" for k, v in resp.headers.items() if k.lower() not in _OWN_HEADERS)
-    lines.append(f"Content-Length: {len(body)}")
+    if status >= 200 and status not in (204, 304):  # RFC 9110 8.6: those carry no Content-Length
+        lines.append(f"Content-Length: {len(body)}")
     if close:
         lines.append("Connection: close")
     return ("\r\n".join(lines) + "\r\n\r\n").encode("utf-8") + bytes(body)  # as aiohttp encodes headers

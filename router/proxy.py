@@ -100,16 +100,16 @@ class UpstreamResult:
     """A non-streamed upstream answer: its HTTP status, its bytes (``raw``) and, decoded on first
     read, its JSON (``payload``: None if not JSON). A completion's answer is mostly never decoded
     whole: :meth:`usage` reads only its ``usage`` member, and ``router.responses.json_answer``
-    splices the ``rollout_router`` object into the bytes."""
+    splices the ``rollout_router`` object into the bytes (:meth:`spliceable`)."""
 
-    __slots__ = ("status", "raw", "_payload", "_strict", "_usage", "_object")
+    __slots__ = ("status", "raw", "_payload", "_strict", "_usage", "_spliceable")
 
     def __init__(self, status: int, raw: bytes) -> None:
         self.status, self.raw = status, raw
         self._payload: Any = _UNREAD
         self._strict = True
         self._usage: Any = _UNREAD
-        self._object = False
+        self._spliceable = False
 
     @property
     def payload(self) -> Any:
@@ -133,41 +133,58 @@ class UpstreamResult:
         if self._usage is _UNREAD:
             if self._payload is _UNREAD:
                 try:
-                    self._usage, self._object = _DECODE_USAGE(self.raw).usage, True
-                except (msgspec.DecodeError, msgspec.ValidationError):
+                    answer = _DECODE_USAGE(self.raw)
+                    self._usage = answer.usage
+                    # its members skipped unbuilt, msgspec did not check their UTF-8
+                    self._spliceable = answer.rollout_router is msgspec.UNSET and _utf8(self.raw)
+                except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
                     pass
             if self._usage is _UNREAD:
                 payload = self.payload
-                self._object = self._strict and isinstance(payload, dict)
                 self._usage = payload.get("usage") if isinstance(payload, dict) else None
             if not isinstance(self._usage, dict):
                 self._usage = None
         return self._usage
 
     def cached_tokens(self) -> int | None:
-        """``usage.prompt_tokens_details.cached_tokens``: prompt tokens the replica reused (None if absent)."""
-        cached = ((self.usage() or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
-        return cached if isinstance(cached, int) else None
+        """``usage.prompt_tokens_details.cached_tokens``: prompt tokens the replica reused (None if
+        absent or not an int, whatever the types around it)."""
+        details = (self.usage() or {}).get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        return cached if isinstance(cached, int) and not isinstance(cached, bool) else None
 
     def completion_tokens(self) -> int | None:
         """``usage.completion_tokens`` (None if absent)."""
         n = (self.usage() or {}).get("completion_tokens")
-        return n if isinstance(n, int) and n >= 0 else None
+        return n if isinstance(n, int) and not isinstance(n, bool) and n >= 0 else None
 
-    def is_strict_object(self) -> bool:
-        """Whether the body is one strict JSON object (msgspec reads it): bytes that can be passed
-        on as they are, members added (``router.responses.splice_member``)."""
+    def spliceable(self) -> bool:
+        """Whether the body is one strict JSON object in valid UTF-8 without a ``rollout_router``
+        member, however its key is spelled: bytes that can be passed on as they are with that
+        member added (``router.responses.splice_annotation``)."""
         self.usage()
-        return self._object
+        return self._spliceable
 
 
 _UNREAD = object()
 
 
+def _utf8(raw: bytes) -> bool:
+    if raw.isascii():  # most answers: no decode
+        return True
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
 class _Answer(msgspec.Struct):
-    """A JSON object whose ``usage`` member alone is built (``UpstreamResult.usage``)."""
+    """A JSON object whose ``usage`` member alone is built (``UpstreamResult.usage``), and whose
+    ``rollout_router`` member, if it has one (msgspec reads an escaped key as its name)."""
 
     usage: Any = None
+    rollout_router: Any = msgspec.UNSET
 
 
 _DECODE_USAGE = msgspec.json.Decoder(_Answer).decode
@@ -237,11 +254,11 @@ def _decode(raw: bytes) -> tuple[Any, bool]:
         return None, True
     try:
         return _DECODE(raw), True
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         pass
     try:
         return json.loads(raw), False
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):  # nested past the stack too
         return None, False
 
 

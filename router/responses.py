@@ -79,14 +79,14 @@ def json_answer(result: UpstreamResult, job: Job, core: DecisionCore, endpoint: 
     """A replica's whole answer for the client: annotated on 200, its 4xx with our field names.
 
     A 200 answer's bytes are kept as the replica wrote them, with the ``rollout_router`` object
-    spliced in as their last member (:func:`splice_member`): no decode and re-encode of a body
+    spliced in as their last member (:func:`splice_annotation`): no decode and re-encode of a body
     that prompt logprobs make tens of KB. An answer that is not a strict JSON object, or already
     has a ``rollout_router`` member, is decoded and re-encoded with ours in its place."""
     headers = route_headers(job, expose_cached=expose_cached)
     if result.status == 200:
         note = annotation(job, core, expose_cached=expose_cached, spans=spans, reruns=reruns,
                           cached=result.cached_tokens())
-        body = splice_member(result, "rollout_router", note)
+        body = splice_annotation(result, note)
         if body is not None:
             return JsonAnswer(200, headers, body)
     payload = result.payload
@@ -100,19 +100,17 @@ def json_answer(result: UpstreamResult, job: Job, core: DecisionCore, endpoint: 
     return JsonAnswer(result.status, headers, result.raw)
 
 
-def splice_member(result: UpstreamResult, name: str, value: Any) -> bytes | None:
-    """``result``'s JSON object bytes with ``"name": value`` added as their last member, or None
-    when that cannot be done on the bytes: the body is not a strict JSON object, or may already
-    have ``name`` (its decoded form must then replace the member)."""
-    raw = result.raw
-    if not result.is_strict_object() or (b'"' + name.encode() + b'"') in raw:
+def splice_annotation(result: UpstreamResult, note: dict[str, Any]) -> bytes | None:
+    """``result``'s JSON object bytes with ``"rollout_router": note`` added as their last member,
+    or None when that cannot be done on the bytes (``UpstreamResult.spliceable``): the body is
+    not a strict JSON object in UTF-8, or already has a ``rollout_router`` member (its decoded
+    form must then have ours in its place)."""
+    if not result.spliceable():
         return None
-    end = raw.rstrip()
-    if not end.endswith(b"}"):
-        return None
-    inner = end[:-1].rstrip()
+    end = result.raw.rstrip()
+    inner = end[:-1].rstrip()  # a JSON object ends with its "}"
     sep = b"" if inner.endswith(b"{") else b","
-    return b"".join((inner, sep, b'"', name.encode(), b'":', encode_body(value), b"}"))
+    return b"".join((inner, sep, b'"rollout_router":', encode_body(note), b"}"))
 
 
 async def send_now(client: web.Request, resp: web.Response | JsonAnswer) -> web.StreamResponse | JsonAnswer:

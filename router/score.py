@@ -68,9 +68,14 @@ def _rows(payload: dict[str, Any], context_len: int, response: list[int], top: i
             ranked = sorted(((int(t), e) for t, e in row.items() if isinstance(e, dict) and e.get("rank")
                              and e["rank"] <= top), key=lambda te: te[1]["rank"])
             alternatives.append([{"token_id": t, "logprob": e["logprob"]} for t, e in ranked])
-    usage = payload.get("usage") or {}
-    out = {"token_ids": response, "logprobs": logprobs, "prompt_tokens": usage.get("prompt_tokens", n),
-           "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0}
+    usage = payload.get("usage")
+    usage = usage if isinstance(usage, dict) else {}
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    prompt = usage.get("prompt_tokens")
+    out = {"token_ids": response, "logprobs": logprobs,
+           "prompt_tokens": prompt if isinstance(prompt, int) and not isinstance(prompt, bool) else n,
+           "cached_tokens": cached if isinstance(cached, int) and not isinstance(cached, bool) else 0}
     if top:
         out["top_logprobs"] = alternatives
     return out

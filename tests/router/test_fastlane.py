@@ -441,3 +441,15 @@ async def test_a_hostile_head_is_judged_without_backtracking():
     a pattern that backtracked over them would not return within the suite's time."""
     for bad in (b" " * 20000 + b"\x01", b"\t " * 10000 + b"\x7f", b"a" * 20000 + b" :", b"Host:" + b" " * 20000 + b"\r"):
         assert _parse_head(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX: " + bad, 1 << 20) is None
+
+
+@pytest.mark.parametrize(("status", "line", "length"), [(200, b"HTTP/1.1 200 OK", True), (299, b"HTTP/1.1 299 ", True),
+                                                       (430, b"HTTP/1.1 430 ", True), (204, b"HTTP/1.1 204 No Content", False),
+                                                       (304, b"HTTP/1.1 304 Not Modified", False)])
+async def test_the_lane_frames_any_status_a_replica_answers(status, line, length):
+    """A fresh attacker's replica answered 299: the lane's framing raised on the reason phrase and
+    the client got an empty reply; a 204 carried ``Content-Length: 0``, which it must not."""
+    from router.fastlane import encode_response
+    from router.responses import JsonAnswer
+    head, _, body = encode_response(JsonAnswer(status, {"X-Rollout-Replica": "r0"}, b"{}"), close=False).partition(b"\r\n\r\n")
+    assert head.split(b"\r\n")[0] == line and (b"Content-Length: 2" in head) is length and body == (b"{}" if length else b"")

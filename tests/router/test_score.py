@@ -3,6 +3,7 @@ the rows it returns, and its answer written before the lifecycle releases the jo
 
 from __future__ import annotations
 
+import pytest
 from aiohttp import web
 
 from router import keys
@@ -35,3 +36,13 @@ async def test_score_answers_before_its_job_is_released_and_no_update_can_take_i
         (0, [9, 10], [-0.5, -0.5]), (1, [11], [-0.5])]
     assert (answer["replica"], answer["context_tokens"], answer["score_start"]) == ("replica-0", 4, 3)
     assert events[:3] == [("answering", [True]), "sent", ("finish", "ok")]
+
+
+@pytest.mark.parametrize("usage", [{"prompt_tokens_details": [1]}, {"prompt_tokens_details": "x"}, [1], "x",
+                                   {"prompt_tokens": "3", "prompt_tokens_details": {"cached_tokens": "2"}}])
+def test_a_scoring_answers_usage_of_the_wrong_types_counts_nothing_cached(usage):
+    """As a completion's (``UpstreamResult.cached_tokens``): no 500 from the router's own code."""
+    from router.score import _rows
+    payload = {"choices": [{"prompt_logprobs": [None, {"7": {"logprob": -0.5, "rank": 1}}]}], "usage": usage}
+    row = _rows(payload, 1, [7], 0)
+    assert (row["logprobs"], row["prompt_tokens"], row["cached_tokens"]) == ([-0.5], 2, 0)
