@@ -210,7 +210,7 @@ async def post_json(client: ReplicaClient, url: str, body: dict[str, Any]) -> Up
         status, raw = await client.post(url, encode_parts(body))
     except TimeoutError as exc:
         raise UpstreamError(f"replica timed out on {url}") from exc
-    return upstream_result(status, raw)
+    return UpstreamResult(status, raw)
 
 
 _TAIL_BYTES = 8192
@@ -262,11 +262,6 @@ def _decode(raw: bytes) -> tuple[Any, bool]:
         return None, False
 
 
-def upstream_result(status: int, raw: bytes) -> UpstreamResult:
-    """An upstream answer's status and body (:class:`UpstreamResult`: decoded when read)."""
-    return UpstreamResult(status, raw)
-
-
 async def relay_stream(client: web.Request, http: aiohttp.ClientSession, url: str, body: dict[str, Any],
                        headers: dict[str, str], watch: Any = None) -> web.StreamResponse | UpstreamResult:
     """POST a streaming request and relay the server-sent events to ``client`` as they come.
@@ -282,7 +277,7 @@ async def relay_stream(client: web.Request, http: aiohttp.ClientSession, url: st
     resp: web.StreamResponse | None = None
     try:
         if up.status != 200:
-            return upstream_result(up.status, await up.read())
+            return UpstreamResult(up.status, await up.read())
         resp = web.StreamResponse(status=200, headers={**headers, "Cache-Control": "no-cache"})
         resp.content_type = "text/event-stream"
         await resp.prepare(client)
