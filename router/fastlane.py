@@ -122,12 +122,13 @@ def encode_response(resp: web.Response, *, close: bool) -> bytes:
     if not isinstance(body, (bytes, bytearray)):
         raise TypeError(f"the fast lane frames whole bodies only, not {type(body).__name__}")
     status = resp.status
-    if status < 200 or status in (204, 304):
-        body = b""  # they have no body (a replica's bytes after one would read as a next answer)
+    bodiless = status < 200 or status in (204, 304)  # RFC 9110 6.4.1, 8.6: no body, no Content-Length
     reason = resp.reason or _PHRASES.get(status, "")  # a status without one (299, 430): "HTTP/1.1 299 ", as aiohttp
     lines = [f"HTTP/1.1 {status} {reason}"]
     lines.extend(f"{k}: {v}" for k, v in resp.headers.items() if k.lower() not in _OWN_HEADERS)
-    if status >= 200 and status not in (204, 304):  # RFC 9110 8.6: those carry no Content-Length
+    if bodiless:
+        body = b""  # a replica's bytes after one would read as the next answer
+    else:
         lines.append(f"Content-Length: {len(body)}")
     if close:
         lines.append("Connection: close")
