@@ -97,7 +97,7 @@ def render(results: list[RunResult], console: Console) -> dict[str, float]:
                       f"{r.wall_s:.1f}")
     console.print(table)
     ratios = {}
-    for w in sorted({r.workload for r in results}):
+    for w in dict.fromkeys(r.workload for r in results):  # in the table's order
         by = {r.router: r for r in results if r.workload == w}
         if "prefix_affinity" in by and "round_robin" in by and by["round_robin"].prefilled_tokens:
             ratios[w] = by["prefix_affinity"].prefilled_tokens / by["round_robin"].prefilled_tokens
