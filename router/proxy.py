@@ -147,11 +147,8 @@ class UpstreamResult:
         return self._usage
 
     def cached_tokens(self) -> int | None:
-        """``usage.prompt_tokens_details.cached_tokens``: prompt tokens the replica reused (None if
-        absent or not an int, whatever the types around it)."""
-        details = (self.usage() or {}).get("prompt_tokens_details")
-        cached = details.get("cached_tokens") if isinstance(details, dict) else None
-        return cached if isinstance(cached, int) and not isinstance(cached, bool) else None
+        """``usage.prompt_tokens_details.cached_tokens`` (:func:`cached_tokens_of`)."""
+        return cached_tokens_of(self.usage())
 
     def completion_tokens(self) -> int | None:
         """``usage.completion_tokens`` (None if absent)."""
@@ -167,6 +164,14 @@ class UpstreamResult:
 
 
 _UNREAD = object()
+
+
+def cached_tokens_of(usage: Any) -> int | None:
+    """``usage.prompt_tokens_details.cached_tokens`` of an answer's ``usage``: the prompt tokens
+    the replica reused (None if absent or not an int, whatever the types around it)."""
+    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return cached if isinstance(cached, int) and not isinstance(cached, bool) else None
 
 
 def _utf8(raw: bytes) -> bool:

@@ -42,7 +42,7 @@ from router.errors import RouterError, UpstreamError, router_param
 from router.lifecycle import RetryElsewhere
 from router.intake import read_score
 from router.parse import ScoreRequest, parse_score
-from router.proxy import post_json
+from router.proxy import cached_tokens_of, post_json
 from router.upstream import ReplicaClient
 from router.responses import annotation, route_headers, send_now
 
@@ -70,12 +70,11 @@ def _rows(payload: dict[str, Any], context_len: int, response: list[int], top: i
             alternatives.append([{"token_id": t, "logprob": e["logprob"]} for t, e in ranked])
     usage = payload.get("usage")
     usage = usage if isinstance(usage, dict) else {}
-    details = usage.get("prompt_tokens_details")
-    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    cached = cached_tokens_of(usage)
     prompt = usage.get("prompt_tokens")
     out = {"token_ids": response, "logprobs": logprobs,
            "prompt_tokens": prompt if isinstance(prompt, int) and not isinstance(prompt, bool) else n,
-           "cached_tokens": cached if isinstance(cached, int) and not isinstance(cached, bool) else 0}
+           "cached_tokens": cached or 0}
     if top:
         out["top_logprobs"] = alternatives
     return out
