@@ -43,6 +43,7 @@ from typing import Any, Awaitable, Callable
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from cache_policy.native import NATIVE
 from router import keys
 from router.edge import body_late
 from router.errors import error_response
@@ -222,7 +223,7 @@ class FastLane(asyncio.Protocol):
             if end < 0:  # a head arriving in pieces, or too long: aiohttp's parser and timers judge it
                 self._hand_off()
                 return
-            head = _parse_head(bytes(self.buffer[:end]), self.max_body)
+            head = _parse_head(self.buffer, end, self.max_body)
             if head is None:
                 self._hand_off()
                 return
@@ -254,7 +255,7 @@ class FastLane(asyncio.Protocol):
         if self._closing or self._write_paused:
             return False
         end = data.find(b"\r\n\r\n", 0, self.max_head + 4)
-        head = _parse_head(data[:end], self.max_body) if end >= 0 else None
+        head = _parse_head(data, end, self.max_body) if end >= 0 else None
         if head is None or len(data) != end + 4 + head[1]:
             return False
         body = data[end + 4:]
@@ -427,10 +428,22 @@ _HEAD = re.compile(re.escape(_REQUEST_LINE) + rf"\r\n(?:{_NAME}:{_VALUE}\r\n)*")
 _FIELDS = re.compile(rf"({_NAME}):({_VALUE})\r\n")
 
 
-def _parse_head(head: bytes, max_body: int) -> tuple[CIMultiDictProxy[str], int, bool] | None:
-    """``(headers, content_length, close)`` of a head the lane takes (module doc); None otherwise.
-    Two C passes check the head's shape (:data:`_HEAD`) and cut its fields; Python looks only at
-    the few names the lane judges."""
+def _parse_head(data: bytes, end: int, max_body: int) -> tuple[CIMultiDictProxy[str], int, bool] | None:
+    """``(headers, content_length, close)`` of the head ``data[:end]`` when the lane takes it
+    (module doc); None otherwise. One pass in C (``cache_policy.native`` ``lane_head``), else
+    :func:`_parse_head_py`, its reference."""
+    if NATIVE is None:
+        return _parse_head_py(data[:end], max_body)
+    found = NATIVE.lane_head(data, end, max_body)
+    if found is None:
+        return None
+    pairs, length, close = found
+    return CIMultiDictProxy(CIMultiDict(pairs)), length, close
+
+
+def _parse_head_py(head: bytes, max_body: int) -> tuple[CIMultiDictProxy[str], int, bool] | None:
+    """:func:`_parse_head` of ``head`` in Python: two C passes check the head's shape
+    (:data:`_HEAD`) and cut its fields; Python looks only at the few names the lane judges."""
     try:
         text = head.decode("ascii") + "\r\n"
     except UnicodeDecodeError:

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from router import keys
-from router.fastlane import _parse_head
+from router.fastlane import _parse_head, _parse_head_py
 from tests.router.edge_fixtures import edge_router, fake_replica
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -287,7 +287,9 @@ async def test_a_stopping_router_closes_its_lane_connections():
     (b"POST /v1/chat/completions HTTP/1.1\r\nContent-Length: 5", False),
 ])
 async def test_the_lane_takes_only_plain_heads(head, taken):
-    assert (_parse_head(head, max_body=1 << 20) is not None) is taken
+    assert (_parse_head(head, len(head), max_body=1 << 20) is not None) is taken
+    assert (_parse_head_py(head, max_body=1 << 20) is not None) is taken  # the reference, without the extension
+    assert (_parse_head(bytearray(head + b"\r\n\r\n{}"), len(head), 1 << 20) is not None) is taken  # the lane's buffer
 
 
 @pytest.mark.parametrize("prompt_text", [b"[4294967296]", b"[99999999999]", b"[9223372036854775807]", b"[1, 4294967295]"])
@@ -430,17 +432,20 @@ _LINES = st.lists(st.tuples(_NAMES, st.sampled_from([":", ": ", ":\t", ":", " :"
                         "POST /v1/completions?x=1 HTTP/1.1"]), _LINES, st.sampled_from([b"", b"\r\n", b" ", b"\n"]))
 async def test_the_head_parser_judges_as_the_line_by_line_one(request_line, lines, tail):
     head = ("\r\n".join([request_line] + [n + c + v for n, c, v in lines])).encode("utf-8") + tail
-    ours, reference = _parse_head(head, 1 << 20), _line_by_line(head, 1 << 20)
-    assert (ours is None) == (reference is None), head
-    if ours is not None:
-        assert (list(ours[0].items()), ours[1], ours[2]) == tuple(reference)
+    reference = _line_by_line(head, 1 << 20)
+    for ours in (_parse_head(head, len(head), 1 << 20), _parse_head_py(head, 1 << 20)):  # the C pass and Python's
+        assert (ours is None) == (reference is None), head
+        if ours is not None:
+            assert (list(ours[0].items()), ours[1], ours[2]) == tuple(reference)
 
 
 async def test_a_hostile_head_is_judged_without_backtracking():
     """Spaces, tabs and name characters by the ten thousand before a byte that fails the line:
     a pattern that backtracked over them would not return within the suite's time."""
     for bad in (b" " * 20000 + b"\x01", b"\t " * 10000 + b"\x7f", b"a" * 20000 + b" :", b"Host:" + b" " * 20000 + b"\r"):
-        assert _parse_head(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX: " + bad, 1 << 20) is None
+        head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX: " + bad
+        assert _parse_head(head, len(head), 1 << 20) is None
+        assert _parse_head_py(head, 1 << 20) is None
 
 
 @pytest.mark.parametrize(("status", "line", "length"), [(200, b"HTTP/1.1 200 OK", True), (299, b"HTTP/1.1 299 ", True),
