@@ -118,22 +118,27 @@ def encode_response(resp: web.Response, *, close: bool) -> bytes:
     """``resp`` as HTTP/1.1 bytes: status line, its headers, ``Content-Length``, ``Connection:
     close`` when ``close``, then its body (``bytes``: TypeError for a streamed or payload body,
     which no answer of the completions handler has). ``resp``: a ``web.Response`` or anything
-    with its ``status``, ``reason``, ``headers`` and ``body`` (``router.responses.JsonAnswer``)."""
+    with its ``status``, ``reason``, ``headers`` and ``body`` (``router.responses.JsonAnswer``,
+    whose ``head``, when set, is its :func:`encode_head` framed ahead)."""
     body = resp.body if resp.body is not None else b""
     if not isinstance(body, (bytes, bytearray)):
         raise TypeError(f"the fast lane frames whole bodies only, not {type(body).__name__}")
     status = resp.status
-    bodiless = status < 200 or status in (204, 304)  # RFC 9110 6.4.1, 8.6: no body, no Content-Length
-    reason = resp.reason or _PHRASES.get(status, "")  # a status without one (299, 430): "HTTP/1.1 299 ", as aiohttp
-    lines = [f"HTTP/1.1 {status} {reason}"]
-    lines.extend(f"{k}: {v}" for k, v in resp.headers.items() if k.lower() not in _OWN_HEADERS)
-    if bodiless:
-        body = b""  # a replica's bytes after one would read as the next answer
+    head = getattr(resp, "head", None) or encode_head(resp)
+    if status < 200 or status in (204, 304):  # RFC 9110 6.4.1, 8.6: no body, no Content-Length
+        body, length = b"", b""  # a replica's bytes after one would read as the next answer
     else:
-        lines.append(f"Content-Length: {len(body)}")
-    if close:
-        lines.append("Connection: close")
-    return ("\r\n".join(lines) + "\r\n\r\n").encode("utf-8") + bytes(body)  # as aiohttp encodes headers
+        length = b"Content-Length: %d\r\n" % len(body)
+    return b"".join((head, length, b"Connection: close\r\n\r\n" if close else b"\r\n", body))
+
+
+def encode_head(resp: web.Response) -> bytes:
+    """The status line and header lines of ``resp`` (each ending in CRLF), without the
+    ``Content-Length``, ``Transfer-Encoding`` and ``Connection`` the lane frames itself."""
+    reason = resp.reason or _PHRASES.get(resp.status, "")  # a status without one (299, 430): "HTTP/1.1 299 ", as aiohttp
+    lines = [f"HTTP/1.1 {resp.status} {reason}"]
+    lines.extend(f"{k}: {v}" for k, v in resp.headers.items() if k.lower() not in _OWN_HEADERS)
+    return ("\r\n".join(lines) + "\r\n").encode("utf-8")  # as aiohttp encodes headers
 
 
 class FastLane(asyncio.Protocol):
@@ -519,4 +524,4 @@ async def close_lane(server: asyncio.AbstractServer, lanes: set[FastLane]) -> No
     await asyncio.gather(*(lane.shutdown() for lane in list(lanes)), return_exceptions=True)
 
 
-__all__ = ["FAST_PATH", "FastLane", "FastRequest", "chain", "close_lane", "encode_response", "serve_lane"]
+__all__ = ["FAST_PATH", "FastLane", "FastRequest", "chain", "close_lane", "encode_head", "encode_response", "serve_lane"]

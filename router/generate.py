@@ -7,6 +7,7 @@ the answer (JSON or an event stream) and counts what the replica prefilled.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from aiohttp import web
@@ -14,10 +15,11 @@ from aiohttp import web
 from cache_policy.core import Job, RequestSpec
 from replicas.replica_set import ReplicaEndpoint
 from router import keys
+from router.fastlane import FastRequest
 from router.lifecycle import RetryElsewhere
 from router.parse import ParsedRequest
 from router.proxy import CACHED_TOKENS, FAILED, UpstreamResult, post_json, relay_stream
-from router.responses import annotation, json_answer, route_headers, send_now
+from router.responses import AnswerAhead, annotation, json_answer, route_headers, send_now
 from router.weights.report import StreamWatch
 
 UPSTREAM_PATH = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
@@ -72,7 +74,18 @@ async def forward(client: web.Request, parsed: ParsedRequest, token_ids: list[in
                 tokens=flight.tokens))
             resp = await relay_stream(client, life.http, url, body, route_headers(job, expose_cached=expose), watch)
         else:
-            resp = await post_json(life.upstream, url, body)
+            # on the fast lane a 200 is answered as its last byte is read (AnswerAhead), its
+            # headers and annotation built while the replica works
+            ahead = None
+            if isinstance(client, FastRequest) and flight is not None:
+                ahead = AnswerAhead(client, job, core, flight, expose_cached=expose, reruns=life.reruns.get(job.id, 0),
+                                    versions_moved=lambda: life.versions_moved(job))
+                asyncio.get_running_loop().call_soon(ahead.prepare)  # runs once the request is sent
+            resp = await post_json(life.upstream, url, body, on_answer=None if ahead is None else ahead.deliver)
+            if ahead is not None and ahead.sent is not None:  # the client has it: count, and release the job
+                job.generated_tokens = ahead.result.completion_tokens()
+                metrics.count_prompt(job, len(token_ids), ahead.result.cached_tokens())
+                return ahead.sent
             life.check_versions(job)  # a non-streamed answer is never mixed: run it again
         cached = None
         if isinstance(resp, UpstreamResult) and resp.status >= 500:  # nothing reached the client yet

@@ -195,6 +195,10 @@ class Lifecycle:
         if len(seen) > 1:
             raise Rerun(f"replica {job.replica_id} moved from version {seen[0]} to {seen[-1]} while the request ran")
 
+    def versions_moved(self, job: Job) -> bool:
+        """Whether :meth:`check_versions` would have ``job`` run again now."""
+        return len(self.core.versions_since(job)) > 1
+
     def preempt(self, rid: ReplicaId, reason: str) -> int:
         """Take back every non-streaming attempt on ``rid`` (they run again whole); the count."""
         n = 0

@@ -13,6 +13,7 @@ import contextlib
 import functools
 import json
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -207,12 +208,14 @@ def encode_parts(body: dict[str, Any]) -> tuple[bytes, ...]:
     return b'{"prompt":', prompt.json, b"}" if tail == b"{}" else b"," + tail[1:]
 
 
-async def post_json(client: ReplicaClient, url: str, body: dict[str, Any]) -> UpstreamResult:
+async def post_json(client: ReplicaClient, url: str, body: dict[str, Any],
+                    on_answer: Callable[[int, bytes], object] | None = None) -> UpstreamResult:
     """POST ``body`` and read the whole answer (``router.upstream``: pooled connections, one
     more try on a fresh one when a kept-alive connection was closed). Raises ReplicaUnreachable
-    (``refused`` when nobody listens; never a partial answer) or UpstreamError (timed out)."""
+    (``refused`` when nobody listens; never a partial answer) or UpstreamError (timed out).
+    ``on_answer(status, raw)``: called as the whole answer is read (``ReplicaClient.post``)."""
     try:
-        status, raw = await client.post(url, encode_parts(body))
+        status, raw = await client.post(url, encode_parts(body), on_answer)
     except TimeoutError as exc:
         raise UpstreamError(f"replica timed out on {url}") from exc
     return UpstreamResult(status, raw)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import httptools
 from yarl import URL
@@ -72,6 +72,8 @@ class _Connection(asyncio.Protocol):
         self._body: list[bytes] = []
         self._timer: asyncio.TimerHandle | None = None
         """Fails the request in flight at its deadline (``send``)."""
+        self._on_answer: Callable[[int, bytes], object] | None = None
+        """Called with the request's whole answer before its future resolves (``send``)."""
 
     # -- asyncio.Protocol --
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -104,20 +106,29 @@ class _Connection(asyncio.Protocol):
         self._body.append(body)
 
     def on_message_complete(self) -> None:
+        on_answer = self._on_answer
         waiter = self._take_waiter()
         answer = (self.parser.get_status_code(), b"".join(self._body))
         self._body = []
         if not self.parser.should_keep_alive():
             self.close()
         if waiter is not None and not waiter.done():
+            if on_answer is not None:
+                try:
+                    on_answer(*answer)
+                except Exception:  # noqa: BLE001 - its caller still gets the answer, by the future
+                    log.exception("replica client: the answer callback failed; the request's task takes the answer")
             waiter.set_result(answer)
 
     # -- use --
-    def send(self, data: Sequence[bytes], deadline: float) -> asyncio.Future[tuple[int, bytes]]:
+    def send(self, data: Sequence[bytes], deadline: float,
+             on_answer: Callable[[int, bytes], object] | None = None) -> asyncio.Future[tuple[int, bytes]]:
         """Write one whole request, its pieces one after another; the future resolves to
         ``(status, body)``, or fails with UpstreamLost, or with TimeoutError at ``deadline``
         (loop time: the connection is then closed, so the replica aborts the request). One
-        timer handle per request, not an ``asyncio.timeout`` context (``bench.h2h.ab``)."""
+        timer handle per request, not an ``asyncio.timeout`` context (``bench.h2h.ab``).
+        ``on_answer(status, body)``: called with a whole answer as it is read, before the
+        future resolves (an exception from it is logged, the future resolves all the same)."""
         assert self.waiter is None and self.transport is not None, "bug: a request on a busy connection"
         self.received, self._body = False, []
         loop = asyncio.get_running_loop()
@@ -125,11 +136,11 @@ class _Connection(asyncio.Protocol):
         if self.closed or self.transport.is_closing():  # closed by the server since it was pooled
             waiter.set_exception(UpstreamLost("connection closed before the request", False))
             return waiter
-        self.waiter = waiter
+        self.waiter, self._on_answer = waiter, on_answer
         try:
             self.transport.writelines(data)  # uvloop: one writev, the pieces not joined
         except (OSError, RuntimeError) as exc:  # a transport that broke under the write
-            self.waiter = None
+            self.waiter = self._on_answer = None
             waiter.set_exception(UpstreamLost(f"write failed ({exc!r})", False))
             return waiter
         self._timer = loop.call_at(deadline, self._time_out)
@@ -144,7 +155,7 @@ class _Connection(asyncio.Protocol):
 
     def _take_waiter(self) -> asyncio.Future[tuple[int, bytes]] | None:
         """The request's future, now no longer the connection's; its deadline disarmed."""
-        waiter, self.waiter = self.waiter, None
+        waiter, self.waiter, self._on_answer = self.waiter, None, None
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -202,10 +213,12 @@ class ReplicaClient:
         self._idle: dict[tuple[str, int], list[_Connection]] = {}
         self._closed = False
 
-    async def post(self, url: str, data: bytes | Sequence[bytes]) -> tuple[int, bytes]:
+    async def post(self, url: str, data: bytes | Sequence[bytes],
+                   on_answer: Callable[[int, bytes], object] | None = None) -> tuple[int, bytes]:
         """POST the JSON ``data`` (bytes, or its pieces in order) to ``url`` (with the replica's key,
         if it has one); ``(status, body)``. Raises ReplicaUnreachable or asyncio.TimeoutError
-        (module docstring)."""
+        (module docstring). ``on_answer(status, body)``: called with the whole answer as soon as
+        it is read, before this coroutine resumes (its exceptions are logged, not raised)."""
         host, port, head, name = _target(url)
         key = self.auth.key(name)
         auth = b"" if key is None else "".join(f"{k}: {v}\r\n" for k, v in bearer(key).items()).encode()
@@ -216,7 +229,7 @@ class ReplicaClient:
         for attempt in (1, 2):
             conn = await self._acquire(host, port, url, deadline)
             try:
-                answer = await conn.send(request, deadline)
+                answer = await conn.send(request, deadline, on_answer)
             except UpstreamLost as exc:
                 conn.close()
                 if exc.received:

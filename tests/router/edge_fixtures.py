@@ -3,7 +3,8 @@
 The fake replica answers ``/v1/completions`` and ``/v1/chat/completions`` like vLLM (a 200 with
 usage, ``prompt_logprobs`` rows when asked, or vLLM's 400 error shape when the body asks for it:
 ``temperature < 0``, a string ``seed``, or ``x_replica_param`` naming the ``param`` to refuse)
-and records every body it receives.
+and records every body it receives. ``x_cached`` sets the cached tokens its usage reports,
+``x_no_usage`` drops the usage, ``x_answer_extra`` adds members to its answer.
 """
 
 from __future__ import annotations
@@ -54,9 +55,12 @@ def fake_replica_app(seen: list[dict[str, Any]]) -> web.Application:
         choice: dict[str, Any] = {"index": 0, "text": "ok"}
         if body.get("prompt_logprobs") is not None:  # a scoring request: one row per prompt token but the first
             choice["prompt_logprobs"] = [None] + [{str(t): {"logprob": -0.5, "rank": 1}} for t in prompt[1:]]
-        return web.json_response({"id": "x", "object": "text_completion", "choices": [choice],
-                                  "usage": {"prompt_tokens": len(prompt), "completion_tokens": 1,
-                                            "prompt_tokens_details": {"cached_tokens": 0}}})
+        usage = {"prompt_tokens": len(prompt), "completion_tokens": 1,
+                 "prompt_tokens_details": {"cached_tokens": body.get("x_cached", 0)}}
+        if body.get("x_no_usage"):
+            usage = None
+        return web.json_response({"id": "x", "object": "text_completion", "choices": [choice], "usage": usage,
+                                  **body.get("x_answer_extra", {})})
 
     async def health(_: web.Request) -> web.Response:
         return web.Response(text="")

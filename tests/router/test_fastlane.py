@@ -80,6 +80,67 @@ async def test_a_plain_completion_is_served_by_the_lane_with_the_same_answer_as_
         assert replica.bodies[0] == replica.bodies[1]  # the replica saw the same request both ways
 
 
+@pytest.mark.parametrize("extra", [{"x_cached": 0}, {"x_cached": 3}, {"x_no_usage": True},
+                                   {"x_answer_extra": {"rollout\\u005frouter": 1}}, {"x_answer_extra": {"rollout_router": [1]}}])
+async def test_the_lanes_early_answer_is_the_one_aiohttps_path_builds(extra):
+    """On the lane a 200 is spliced and written as the replica's last byte is read
+    (``router.responses.AnswerAhead``, its notes built while the replica works); aiohttp's path
+    builds it in the task (``json_answer``). Both must give the same answer whatever the
+    replica's usage says (the versions fields read ``cached_tokens == 0``), and an answer that
+    cannot be spliced (its own ``rollout_router`` member, however spelled) is the task's."""
+    async with fake_replica() as replica:
+        answers = {}
+        for lane in (True, False):
+            async with edge_router(replica, fast_lane=lane, weight_update_policy="keep") as (url, app):
+                app[keys.CORE].version_loaded("replica-0", 1)  # its cache now holds KV of two versions
+                conn = await Conn.open(url)
+                await conn.send(completion([5, 6, 7], extra=extra))
+                status, head, body = await conn.answer()
+                conn.close()
+                ours = sorted(line for line in head.split(b"\r\n")[1:] if line.startswith((b"X-Rollout-", b"Content-Type")))
+                answers[lane] = (status, ours, json.loads(body))
+        assert answers[True] == answers[False]
+        assert answers[True][0] == 200 and answers[True][2]["rollout_router"]["replica"] == "replica-0"
+        assert answers[True][2]["rollout_router"]["reruns"] == 0
+        kv = answers[True][2]["rollout_router"]["kv_versions"]
+        nothing_reused = extra.get("x_cached", 0) == 0 and not extra.get("x_no_usage")
+        assert kv == ([1] if nothing_reused else [0, 1]), kv  # nothing reused: its own version's KV only
+
+
+async def test_an_early_answer_that_fails_is_logged_and_the_task_answers(monkeypatch, caplog):
+    from router.responses import AnswerAhead
+
+    def broken(self, status, raw):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(AnswerAhead, "deliver", broken)
+    async with fake_replica() as replica, edge_router(replica) as (url, _):
+        conn = await Conn.open(url)
+        await conn.send(completion([5, 6, 7]))
+        status, head, body = await conn.answer()
+        conn.close()
+    assert status == 200 and AIOHTTP_SERVER not in head
+    assert json.loads(body)["rollout_router"]["replica"] == "replica-0"
+    assert "the answer callback failed" in caplog.text
+
+
+async def test_a_replica_whose_version_moves_mid_request_is_not_answered_early_but_run_again():
+    """The early answer declines when the replica's version changed since dispatch; the task
+    then runs the request again (a non-streamed answer is never mixed) and says so."""
+    async with fake_replica() as replica, edge_router(replica) as (url, app):
+        core = app[keys.CORE]
+        conn = await Conn.open(url)
+        await conn.send(completion([5, 6, 7], extra={"x_sleep_s": 0.3}))
+        while not replica.bodies:
+            await asyncio.sleep(0.01)
+        core.version_loaded("replica-0", 7)  # an update lands while the replica works
+        core.version_loaded("replica-0", 8)
+        status, _, body = await conn.answer()
+        conn.close()
+    assert status == 200 and len(replica.bodies) == 2
+    assert json.loads(body)["rollout_router"]["reruns"] == 1
+
+
 async def test_pipelined_completions_are_answered_in_order_on_one_connection():
     async with fake_replica() as replica, edge_router(replica) as (url, _):
         conn = await Conn.open(url)
