@@ -29,6 +29,8 @@ _ALIASES = {"x-gzip": "gzip"}
 
 def coding_of(header: str | None) -> str | None:
     """The one coding ``header`` names (``None`` for none or ``identity``); 415 for any other."""
+    if header is None:  # most requests
+        return None
     codings = [c.strip().lower() for c in (header or "").split(",")]
     codings = [_ALIASES.get(c, c) for c in codings if c and c != "identity"]
     if not codings:

@@ -86,7 +86,6 @@ class FastRequest(dict):
     content = _WholeBody()
 
     def __init__(self, app: web.Application, headers: CIMultiDictProxy[str], body: bytes, lane: FastLane) -> None:
-        super().__init__()
         self.app, self.headers, self._body, self._lane = app, headers, body, lane
         self.answered = False
 

@@ -191,9 +191,10 @@ def test_an_integer_outside_64_bits_anywhere_is_a_400_naming_its_field(field, va
     body = {"prompt": prompt, field: inner}
     for depth in reversed(range(nest)):  # an int in a list names the list; a container in one, its index
         path += ".k" if depth % 3 == 0 else "" if depth == 0 else "[1]"
-    with pytest.raises(BadRequest) as err:
-        load_json_object(json.dumps(body).encode())
-    assert err.value.status == 400 and err.value.param == path, (body, err.value.param)
+    for ids_field in (None, "prompt"):  # decoded whole, and with a token-ID prompt read apart (split_ids)
+        with pytest.raises(BadRequest) as err:
+            load_json_object(json.dumps(body).encode(), ids_field)
+        assert err.value.status == 400 and err.value.param == path, (body, err.value.param)
 
 
 @settings(max_examples=200, deadline=None)
@@ -201,3 +202,5 @@ def test_an_integer_outside_64_bits_anywhere_is_a_400_naming_its_field(field, va
 def test_integers_within_64_bits_pass(ints, field):
     body = {"prompt": ints, field: {"n": ints[0], "l": ints}}
     assert load_json_object(json.dumps(body).encode()) == body
+    split = {"prompt": [abs(i) % 2**32 for i in ints], field: {"n": ints[0], "l": ints}}
+    assert load_json_object(json.dumps(split).encode(), "prompt") == split
