@@ -39,9 +39,25 @@ def header_bytes(value: str) -> bytes:
         return value.encode("utf-8", "surrogatepass")
 
 
+def one_header(headers: Mapping[str, str], header: str, param: str,
+               error: type[RouterError] = BadRequest) -> str | None:
+    """The value of ``header`` (None when absent); ``error`` (400 by default) naming ``param`` when
+    the request sends it more than once with different values: which one to act on would be a
+    guess (aiohttp's ``headers.get`` takes the first, a proxy in front may take the last).
+    ``headers``: a case-insensitive multidict (aiohttp's, the fast lane's), or a plain mapping."""
+    value = headers.get(header)
+    if value is not None and hasattr(headers, "getall"):
+        values = headers.getall(header)
+        if len(values) > 1 and any(v != value for v in values):
+            raise error(f"header {header} is sent {len(values)} times with different values; send it once",
+                        param=param)
+    return value
+
+
 def bearer_token(headers: Mapping[str, str]) -> bytes | None:
-    """The token of ``Authorization: Bearer <token>`` as bytes, or None without one."""
-    scheme, _, token = headers.get("Authorization", "").partition(" ")
+    """The token of ``Authorization: Bearer <token>`` as bytes, or None without one; 401 when
+    ``Authorization`` is sent twice with different values."""
+    scheme, _, token = (one_header(headers, "Authorization", "authorization", Unauthorized) or "").partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
         return None
     return header_bytes(token.strip())
@@ -81,7 +97,7 @@ def resolve_tenant(headers: Mapping[str, str], book: KeyBook, *, header_allowed:
                    max_chars: int) -> str | None:
     """The request's tenant (see the module docstring); 401/403/400 naming ``tenant``."""
     key_tenant = book.tenant_of(headers) if book.enabled else None
-    claimed = headers.get(TENANT_HEADER)
+    claimed = one_header(headers, TENANT_HEADER, "tenant")
     if claimed is None:
         return key_tenant
     if not header_allowed:

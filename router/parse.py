@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Literal, Mapping, Sequence
 
+from router.auth import one_header
 from router.body import is_utf8, load_json_object
 from router.errors import BadRequest, echo
 from router.schemas import MAX_TOP_LOGPROBS, ChatRequest, CompletionRequest, ScoreBody, validate_body
@@ -128,7 +129,7 @@ def routing_keys(body: dict[str, Any], headers: Mapping[str, str], limits: Limit
     limits = limits or default_limits()
     values: dict[str, Any] = {}
     for name in ROUTING_FIELDS:
-        value, header = body.pop(name, None), headers.get(HEADER_FOR[name])
+        value, header = body.pop(name, None), one_header(headers, HEADER_FOR[name], name)
         if value is not None and header is not None and str(value) != header:
             raise BadRequest(f"'{name}' is {echo(value)!r} in the body but {echo(header)!r} in header "
                              f"{HEADER_FOR[name]}; send it once", param=name)
@@ -144,7 +145,7 @@ def routing_keys(body: dict[str, Any], headers: Mapping[str, str], limits: Limit
 
 def _end_session(body: dict[str, Any], headers: Mapping[str, str]) -> bool:
     """``end_session`` (body, popped) or ``X-Session-End`` (header): this is the session's last turn."""
-    value, header = body.pop("end_session", None), headers.get("X-Session-End")
+    value, header = body.pop("end_session", None), one_header(headers, "X-Session-End", "end_session")
     if value is not None and not isinstance(value, bool):
         raise BadRequest("'end_session' must be a boolean", param="end_session")
     if header is not None and header.strip().lower() not in ("true", "false", "1", "0"):

@@ -301,3 +301,35 @@ async def test_a_replica_event_is_logged_and_moves_its_health_gauge(caplog):
         lines = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "router.fleet"]
         assert lines == [("WARNING", f"replica {rid} unhealthy: 3 failed health checks"),
                          ("INFO", f"replica {rid} restarted at {endpoint.base_url}")]
+
+
+@pytest.mark.parametrize("lane", [True, False])
+async def test_a_header_sent_twice_with_different_values_is_refused_naming_it(lane):
+    """Two ``X-Session-Id`` (or ``X-Group-Id``, ``X-Weight-Version``, ``X-Session-End``,
+    ``X-Tenant-Id``, ``Authorization``) with different values: which one to route or bill by would
+    be a guess (the first was used silently). The same value twice is one value. Lane and
+    aiohttp alike."""
+    async with fake_replica() as replica, edge_router(replica, fast_lane=lane, tenant_header=True,
+                                                      api_keys={"k-a": "team-a", "k-b": None}) as (url, _):
+        host = urlsplit(url).netloc.encode()
+        body = b'{"prompt": [5, 6, 7], "max_tokens": 1}'
+
+        def request(*headers: bytes) -> bytes:
+            return (b"POST /v1/completions HTTP/1.1\r\nHost: " + host + b"\r\nContent-Type: application/json\r\n"
+                    + b"".join(h + b"\r\n" for h in headers) + b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body)
+                    + body)
+
+        key = b"Authorization: Bearer k-b"
+        for name, param in ((b"X-Session-Id", "session_id"), (b"X-Group-Id", "group_id"),
+                            (b"X-Weight-Version", "weight_version"), (b"X-Session-End", "end_session"),
+                            (b"X-Tenant-Id", "tenant")):
+            status, answer = status_and_body(await raw_http(url, request(key, name + b": 1", name.lower() + b": 2")))
+            assert (status, answer["error"]["param"]) == (400, param), (name, answer)
+            assert b"once" in json.dumps(answer).encode()
+        sent = len(replica.bodies)
+        status, _ = status_and_body(await raw_http(url, request(key, b"X-Session-Id: s", b"x-session-id: s")))
+        assert status == 200 and len(replica.bodies) == sent + 1  # the same value twice
+        status, answer = status_and_body(await raw_http(url, request(key, b"Authorization: Bearer k-a")))
+        assert (status, answer["error"]["param"]) == (401, "authorization")
+        assert b"k-a" not in json.dumps(answer).encode()  # no key echoed back
+        assert len(replica.bodies) == sent + 1
