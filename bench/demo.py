@@ -113,8 +113,8 @@ def plot(results: list[RunResult], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    workloads = sorted({r.workload for r in results})
-    routers = sorted({r.router for r in results})
+    workloads = list(dict.fromkeys(r.workload for r in results))  # in the table's order
+    routers = list(dict.fromkeys(r.router for r in results))
     fig, ax = plt.subplots(figsize=(6, 3.5))
     width = 0.8 / len(routers)
     for i, router in enumerate(routers):

@@ -59,6 +59,8 @@ FAST_PATH = "/v1/completions"
 _REFUSED_HEADERS = frozenset({"transfer-encoding", "content-encoding", "expect", "upgrade"})
 _OWN_HEADERS = frozenset({"content-length", "transfer-encoding", "connection"})
 _PHRASES = {s.value: s.phrase for s in HTTPStatus}
+_MAX_LENGTH = 10**12
+"""Past any ``Content-Length`` the lane takes (at most 12 digits): a larger ``max_body`` is the same."""
 _CLOSE_SHUTDOWN_S = 5.0
 """How long a stopping router waits for lane requests still running (aiohttp's shutdown_timeout)."""
 
@@ -438,7 +440,7 @@ def _parse_head(data: bytes, end: int, max_body: int) -> tuple[CIMultiDictProxy[
     :func:`_parse_head_py`, its reference."""
     if NATIVE is None:
         return _parse_head_py(data[:end], max_body)
-    found = NATIVE.lane_head(data, end, max_body)
+    found = NATIVE.lane_head(data, end, min(max_body, _MAX_LENGTH))  # a C long long
     if found is None:
         return None
     pairs, length, close = found

@@ -192,11 +192,13 @@ class RouterMetrics:
         the router's predicted cached tokens for them, and the cached tokens it reported. Predicted
         and reported count the same requests: a stream without ``include_usage`` or one its client
         left reports nothing, and counting its prediction alone read as over-prediction (a fresh
-        user saw 2,720 predicted vs 1,760 reported on one replica)."""
+        user saw 2,720 predicted vs 1,760 reported on one replica). A reported count below zero is
+        none, one past ``prompt_tokens`` counts as ``prompt_tokens``."""
         rid = str(job.replica_id)
         self.prompt_tokens.labels(rid).inc(prompt_tokens)
-        if reported_cached is None:
+        if reported_cached is None or reported_cached < 0:
             return
+        reported_cached = min(reported_cached, prompt_tokens)  # a replica's count past its prompt is no hit
         samples = max(1, prompt_tokens // max(1, job.view.num_prompt_tokens))
         self.predicted_cached.labels(rid).inc(job.expected_cached_tokens * samples)
         self.reported_cached.labels(rid).inc(reported_cached)

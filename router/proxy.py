@@ -169,10 +169,11 @@ _UNREAD = object()
 
 def cached_tokens_of(usage: Any) -> int | None:
     """``usage.prompt_tokens_details.cached_tokens`` of an answer's ``usage``: the prompt tokens
-    the replica reused (None if absent or not an int, whatever the types around it)."""
+    the replica reused (None if absent, not an int or negative, whatever the types around it: a
+    negative count made the counters raise after the client had its answer)."""
     details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
     cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    return cached if isinstance(cached, int) and not isinstance(cached, bool) else None
+    return cached if isinstance(cached, int) and not isinstance(cached, bool) and cached >= 0 else None
 
 
 def _utf8(raw: bytes) -> bool:

@@ -106,9 +106,13 @@ class _Connection(asyncio.Protocol):
         self._body.append(body)
 
     def on_message_complete(self) -> None:
+        status = self.parser.get_status_code()
+        if 100 <= status < 200 and status != 101:  # informational (100 Continue, 103): the answer follows
+            self._body = []
+            return
         on_answer = self._on_answer
         waiter = self._take_waiter()
-        answer = (self.parser.get_status_code(), b"".join(self._body))
+        answer = (status, b"".join(self._body))
         self._body = []
         if not self.parser.should_keep_alive():
             self.close()

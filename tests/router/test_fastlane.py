@@ -107,6 +107,27 @@ async def test_the_lanes_early_answer_is_the_one_aiohttps_path_builds(extra):
         assert kv == ([1] if nothing_reused else [0, 1]), kv  # nothing reused: its own version's KV only
 
 
+@pytest.mark.parametrize("lane", [True, False])
+async def test_a_cached_count_out_of_range_is_no_error_after_the_answer(lane):
+    """A replica reporting ``cached_tokens: -1`` made the counters raise after the client had its
+    200: a 500 counted, the job finished as failed and, three in a row, the replica taken out of
+    rotation (a fresh attacker). Below zero it is no count; past the prompt, the prompt."""
+    async with fake_replica() as replica, edge_router(replica, fast_lane=lane) as (url, app):
+        for cached in (-1, -1, -1, -1, 2**62):
+            conn = await Conn.open(url)
+            await conn.send(completion([5, 6, 7], extra={"x_cached": cached}))
+            status, _, body = await conn.answer()
+            conn.close()
+            assert status == 200 and json.loads(body)["rollout_router"]["replica"] == "replica-0"
+        async with aiohttp.ClientSession() as http:
+            async with http.get(url + "/metrics") as r:
+                text = await r.text()
+        assert 'status="500"' not in text and 'status="200"' in text
+        reported = [line for line in text.splitlines() if line.startswith("rollout_router_reported_cached_tokens_total{")]
+        assert reported and all(float(line.split()[-1]) <= 3 for line in reported), reported
+        assert app[keys.CORE].replicas["replica-0"].healthy
+
+
 async def test_an_early_answer_that_fails_is_logged_and_the_task_answers(monkeypatch, caplog):
     from router.responses import AnswerAhead
 
@@ -325,6 +346,16 @@ async def test_a_stopping_router_closes_its_lane_connections():
             assert (await conn.answer())[0] == 200
         assert await conn.closed_by_server(timeout=10)
         conn.close()
+
+
+async def test_a_max_body_past_64_bits_is_judged_as_in_python():
+    """``router.max_body_bytes`` has no upper bound; the C pass takes a 64-bit bound (a value past
+    it raised inside ``data_received`` and dropped every lane connection, a fresh attacker found)."""
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 5"
+    for max_body in (2**63 - 1, 2**63, 2**64, 10**30):
+        ours = _parse_head(head, len(head), max_body)
+        assert ours is not None and (list(ours[0].items()), ours[1], ours[2]) == (
+            list(_parse_head_py(head, max_body)[0].items()), 5, False)
 
 
 @pytest.mark.parametrize("head, taken", [

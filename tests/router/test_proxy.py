@@ -131,6 +131,38 @@ async def test_a_chunked_answer_is_read_whole_and_connection_close_is_not_pooled
     await client.close()
 
 
+@pytest.mark.parametrize("split", [False, True])
+async def test_an_informational_answer_is_skipped_for_the_final_one(split):
+    """A replica's ``100 Continue`` / ``103 Early Hints`` before its answer was taken as the answer
+    (a body-less 100 relayed to the client, which then hung; a fresh attacker's replica); the
+    final answer is the one read, in one write or in pieces, and the connection stays usable."""
+    seen = []
+
+    async def handle(reader, writer):
+        while True:
+            try:
+                await _read_request(reader)
+            except asyncio.IncompleteReadError:
+                break
+            seen.append(1)
+            parts = [b"HTTP/1.1 100 Continue\r\n\r\n", b"HTTP/1.1 103 Early Hints\r\nLink: </x>\r\n\r\n",
+                     b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 12\r\n\r\n{\"ok\": true}"]
+            for part in parts if split else [b"".join(parts)]:
+                writer.write(part)
+                await writer.drain()
+                await asyncio.sleep(0.01)
+        writer.close()
+
+    server, url = await _server(handle)
+    client = _client()
+    async with server:
+        for _ in range(2):
+            result = await post_json(client, url + "/v1/completions", {"prompt": [1]})
+            assert (result.status, result.payload) == (200, {"ok": True})
+        assert client.idle_connections() == 1 and len(seen) == 2  # one connection kept for both
+    await client.close()
+
+
 @pytest.mark.parametrize("answer", [
     b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"half\":",  # cut short
     b"SSH-2.0-OpenSSH\r\n\r\n",  # not HTTP at all
