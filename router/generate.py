@@ -82,16 +82,17 @@ async def forward(client: web.Request, parsed: ParsedRequest, token_ids: list[in
                                     versions_moved=lambda: life.versions_moved(job))
                 asyncio.get_running_loop().call_soon(ahead.prepare)  # runs once the request is sent
             resp = await post_json(life.upstream, url, body, on_answer=None if ahead is None else ahead.deliver)
-            if ahead is not None and ahead.sent is not None:  # the client has it: count, and release the job
-                job.generated_tokens = ahead.result.completion_tokens()
-                metrics.count_prompt(job, len(token_ids), ahead.result.cached_tokens())
-                return ahead.sent
-            life.check_versions(job)  # a non-streamed answer is never mixed: run it again
-        cached = None
-        if isinstance(resp, UpstreamResult) and resp.status >= 500:  # nothing reached the client yet
-            raise RetryElsewhere(f"replica {endpoint.replica_id} answered HTTP {resp.status}: "
-                                 f"{resp.raw[:200].decode('utf-8', 'replace')}")
-        if isinstance(resp, UpstreamResult):
+            if ahead is not None and ahead.sent is not None:  # the client has it (checked unmixed then)
+                resp = ahead
+            else:
+                life.check_versions(job)  # a non-streamed answer is never mixed: run it again
+        if isinstance(resp, AnswerAhead):
+            cached, job.generated_tokens = resp.result.cached_tokens(), resp.result.completion_tokens()
+            resp = resp.sent
+        elif isinstance(resp, UpstreamResult):
+            if resp.status >= 500:  # nothing reached the client yet
+                raise RetryElsewhere(f"replica {endpoint.replica_id} answered HTTP {resp.status}: "
+                                     f"{resp.raw[:200].decode('utf-8', 'replace')}")
             cached = resp.cached_tokens()
             job.generated_tokens = resp.completion_tokens()
             resp = json_answer(resp, job, core, parsed.endpoint, expose_cached=expose, spans=flight.spans,

@@ -191,12 +191,12 @@ class Lifecycle:
     def check_versions(self, job: Job) -> None:
         """Rerun unless ``job``'s replica served one version from its dispatch until now: a
         non-streamed answer (a scoring fan-out above all) is never mixed."""
-        seen = self.core.versions_since(job)
-        if len(seen) > 1:
+        if self.versions_moved(job):
+            seen = self.core.versions_since(job)
             raise Rerun(f"replica {job.replica_id} moved from version {seen[0]} to {seen[-1]} while the request ran")
 
     def versions_moved(self, job: Job) -> bool:
-        """Whether :meth:`check_versions` would have ``job`` run again now."""
+        """Whether ``job``'s replica served more than one version since its dispatch."""
         return len(self.core.versions_since(job)) > 1
 
     def preempt(self, rid: ReplicaId, reason: str) -> int:
