@@ -96,7 +96,8 @@ async def confirm_by_probe(
     """Confirm a reset by watching a probe prompt's cache hit disappear.
 
     Sends a probe prompt (under its own ``cache_salt``, so no other traffic can hit it or be hit
-    by it) twice and checks the second one hits; calls ``reset``; sends it again and confirms
+    by it) twice and checks the second one hits (a third time when the first got no answer, which
+    cached nothing); calls ``reset``; sends it again and confirms
     only if that finds 0 cached tokens. Needs an unpaused engine (a paused one would queue the
     probe) and ``--enable-prompt-tokens-details``; without either it returns not confirmed.
     """
@@ -106,6 +107,8 @@ async def confirm_by_probe(
                                    "cannot be probed", attempts)
     probe = _Probe(http, base_url, timeout_s)
     before = [await probe.cached_tokens(), await probe.cached_tokens()]
+    if before[0] is None and not before[-1]:  # the first probe failed (a busy engine): it primes nothing
+        before.append(await probe.cached_tokens())
     if before[-1] is None or before[-1] <= 0:
         why = f"; {probe.last_error}" if probe.last_error else ""
         return ResetOutcome(False, f"no verdict from /reset_prefix_cache, and the probe prompt "
