@@ -107,7 +107,7 @@ async def confirm_by_probe(
                                    "cannot be probed", attempts)
     probe = _Probe(http, base_url, timeout_s)
     before = [await probe.cached_tokens(), await probe.cached_tokens()]
-    if before[0] is None and not before[-1]:  # the first probe failed (a busy engine): it primes nothing
+    if before[0] is None and before[1] == 0:  # the first probe failed (a busy engine) and primed nothing
         before.append(await probe.cached_tokens())
     if before[-1] is None or before[-1] <= 0:
         why = f"; {probe.last_error}" if probe.last_error else ""
