@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
 from typing import Literal
+
+import msgspec
 
 from cache_policy.admission_queue import PRIORITIES, AdmissionQueueStore, AdmissionRequest, Priority
 from cache_policy.config import PolicyConfig
@@ -43,8 +44,7 @@ _EPS = 1e-9
 """Slack on the watermark comparison, so float noise (0.8 + 0.05) cannot flip a verdict."""
 
 
-@dataclass(frozen=True)
-class AdmissionDecision:
+class AdmissionDecision(msgspec.Struct, frozen=True):
     """What to do with one request.
 
     ``reason``: ``idle``, ``under_watermark``, ``under_in_flight_cap`` (admit);
@@ -269,7 +269,7 @@ class AdmissionQueue:
             joins = req.group_id is not None and ((req.group_id, rid) in groups or group_running(req.group_id, rid))
             if rid in blocked and not joins:
                 continue
-            now_view = replace(view, in_flight=view.in_flight + extra_in_flight[rid])
+            now_view = msgspec.structs.replace(view, in_flight=view.in_flight + extra_in_flight[rid])
             guard = guards.get(rid, 0) if guards and req.priority != "continuing_session" else 0
             if not joins and (req.opens_session and sessions_full(rid, opened.get(rid, []))
                               or not fits(now_view, extra_blocks[rid], req.new_blocks, self.cfg, guard)[0]):

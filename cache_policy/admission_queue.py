@@ -14,9 +14,10 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
 from itertools import chain, zip_longest
 from typing import Literal, get_args
+
+import msgspec
 
 from cache_policy.types import ReplicaId
 
@@ -27,8 +28,7 @@ PRIORITIES: tuple[Priority, ...] = get_args(Priority)
 _RANK = {p: i for i, p in enumerate(PRIORITIES)}
 
 
-@dataclass(frozen=True)
-class AdmissionRequest:
+class AdmissionRequest(msgspec.Struct, frozen=True):
     """One routed request asking for room on ``replica_id``.
 
     ``new_blocks``: KV blocks it will add beyond its expected prefix hit
@@ -66,7 +66,7 @@ class AdmissionRequest:
         """This request as admitted with its running group (:attr:`joined_holds`)."""
         if self.joined_holds is None or self.joined_new_blocks is None:
             return self
-        return replace(self, holds=self.joined_holds, new_blocks=self.joined_new_blocks)
+        return msgspec.structs.replace(self, holds=self.joined_holds, new_blocks=self.joined_new_blocks)
 
     def __post_init__(self) -> None:
         if self.new_blocks < 0:

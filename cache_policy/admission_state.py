@@ -15,8 +15,9 @@ import bisect
 import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Literal
+
+import msgspec
 
 from cache_policy.admission import AdmissionQueue, AdmissionRequest, classify, fits
 from cache_policy.config import PolicyConfig
@@ -33,8 +34,7 @@ UNPARK_EVERY_S = 0.25
 """How often (in the caller's seconds) ``pump`` stops counting idle sessions' parked prefixes."""
 
 
-@dataclass(frozen=True)
-class Admission:
+class Admission(msgspec.Struct, frozen=True):
     """What admission decided for one request.
 
     ``verdict``: admit (``ticket`` set), queue (wait for a pump), reject (429 with

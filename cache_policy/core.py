@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Literal
+
+import msgspec
 
 from cache_policy import sharing
 from cache_policy.admission import blocks_needed
@@ -57,8 +59,7 @@ it ran: placed again, on the same replica too, no failure counted); ``cancelled`
 went away); ``failed`` (any other error after dispatch)."""
 
 
-@dataclass(frozen=True)
-class RequestSpec:
+class RequestSpec(msgspec.Struct, frozen=True):
     """One parsed request, as the core needs it.
 
     ``token_ids``: the prompt (a scoring request's context); ``new_tokens``: tokens it may
@@ -562,7 +563,7 @@ class DecisionCore:
             if rec is not None and rec.start_version == choice.version:
                 rec.start_version = new.version
         job.choice = new
-        job.view = replace(job.view, block_hashes=tuple(block_hashes(job.spec.token_ids, self.block_size, new.salt)))
+        job.view = msgspec.structs.replace(job.view, block_hashes=tuple(block_hashes(job.spec.token_ids, self.block_size, new.salt)))
 
     def _refresh_expected(self, job: Job, now: float) -> None:
         """Evictions seen while ``job`` waited count; its own predicted entries (inserted when it
@@ -585,7 +586,7 @@ class DecisionCore:
             if view.num_gpu_blocks:
                 free_final = int(view.num_gpu_blocks - 1 - running_blocks(view, self.admission.ledger))  # - the null block
                 matched = self.free_queue.surviving(rid, job.view.block_hashes, matched, free_final)
-        job.decision = decision if decision.matched_blocks == matched else replace(decision, matched_blocks=matched)
+        job.decision = decision if decision.matched_blocks == matched else msgspec.structs.replace(decision, matched_blocks=matched)
         job.expected_cached_tokens = matched * self.block_size
 
     def _footprint(self, job: Job) -> int:

@@ -21,15 +21,15 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+
+import msgspec
 
 from cache_policy.admission_queue import Priority
 from cache_policy.sharing import PeerLoad
 from cache_policy.types import ReplicaId
 
 
-@dataclass(frozen=True)
-class Ticket:
+class Ticket(msgspec.Struct, frozen=True):
     """An admitted request's claim on its replica, given back when it finishes.
 
     ``blocks``: what it holds at its peak (prompt + max tokens; for a started group's member,

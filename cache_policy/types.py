@@ -7,8 +7,9 @@ policy returns for the shell to carry out.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
 from typing import Literal, NewType
+
+import msgspec
 
 BlockHash = NewType("BlockHash", int)
 """Chained 64-bit xxhash of one full token block (see `cache_policy.hashing`)."""
@@ -19,8 +20,7 @@ ReplicaId = NewType("ReplicaId", str)
 RequestKind = Literal["generate", "score"]
 
 
-@dataclass(frozen=True)
-class RequestView:
+class RequestView(msgspec.Struct, frozen=True):
     """What the policy needs to know about one request.
 
     ``block_hashes`` are the chained hashes of the prompt's *full* blocks (salt folded into
@@ -42,8 +42,7 @@ class RequestView:
         assert self.fan_out >= 1, self.fan_out
 
 
-@dataclass(frozen=True)
-class ReplicaView:
+class ReplicaView(msgspec.Struct, frozen=True):
     """A snapshot of one replica as the router sees it.
 
     ``in_flight`` is the router's own count of requests dispatched and not yet finished
@@ -80,8 +79,7 @@ class RouteReason(str, enum.Enum):
     ROUND_ROBIN = "round_robin"
 
 
-@dataclass(frozen=True)
-class Decision:
+class Decision(msgspec.Struct, frozen=True):
     """Where one request goes and what the router expects to be cached there.
 
     ``matched_blocks`` is the number of leading ``block_hashes`` the prefix index believes
@@ -91,4 +89,4 @@ class Decision:
     replica_id: ReplicaId
     reason: RouteReason
     matched_blocks: int = 0
-    extra: dict[str, str] = field(default_factory=dict)
+    extra: dict[str, str] = msgspec.field(default_factory=dict)

@@ -34,15 +34,15 @@ is folded into every salt (also under flush and keep), so tenants never share ca
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+
+import msgspec
 
 from cache_policy.registry import KeyRegistry
 from cache_policy.salts import WEIGHT_UPDATE_POLICIES, WeightUpdatePolicy, cache_salt_for_version, choose_salt
 from cache_policy.types import ReplicaId
 
 
-@dataclass(frozen=True)
-class SaltChoice:
+class SaltChoice(msgspec.Struct, frozen=True):
     """The salt of one request and the version its cache blocks belong to.
 
     ``version``: the loaded version the request resolves to (it is routed to replicas serving

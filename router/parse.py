@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Literal, Mapping, Sequence
 
+import msgspec
+
 from router.auth import one_header
 from router.body import is_utf8, load_json_object
 from router.errors import BadRequest, echo
@@ -59,8 +61,7 @@ def default_limits() -> Limits:
     return Limits.of(AppConfig())
 
 
-@dataclass(frozen=True)
-class RoutingKeys:
+class RoutingKeys(msgspec.Struct, frozen=True):
     """Affinity keys and the policy weight version a request runs under."""
 
     session_id: str | None = None
@@ -72,8 +73,7 @@ class RoutingKeys:
     """This is the session's last turn: its pin is released when it finishes."""
 
 
-@dataclass(frozen=True)
-class ParsedRequest:
+class ParsedRequest(msgspec.Struct, frozen=True):
     """A validated request: ``body`` is what is forwarded (routing fields removed).
 
     ``prompt`` is the completion prompt (text or token IDs) or None for chat;
@@ -336,8 +336,7 @@ def _check_chat_rendering(body: dict[str, Any]) -> None:
                          param="continue_final_message")
 
 
-@dataclass(frozen=True)
-class ScoreRequest:
+class ScoreRequest(msgspec.Struct, frozen=True):
     """A validated ``/v1/score`` request (context not yet tokenized if given as text/messages)."""
 
     context: str | list[int] | None

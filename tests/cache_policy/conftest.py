@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
+from msgspec.structs import replace
 from typing import Any
 
 import pytest
