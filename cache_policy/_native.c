@@ -13,6 +13,8 @@
  * hash_packed(buf, block_size, parent, salt, seed) -> list[int]
  * split_ids(raw, key, also) -> (cut_start, cut_end, packed, min, max, value_start, value_end, has_also) | None
  * lane_head(data, end, max_body) -> (pairs, content_length, close) | None
+ * held_run(entries, hashes, start, replica) -> int
+ * surviving_run(refs, stamps, old, hashes, matched, freed, free_final) -> int
  *
  * split_ids reads a request body's token-ID list straight from its JSON bytes, so a 4,000-token
  * prompt never becomes 4,000 Python ints (decoding them is most of a body's decode time); the
@@ -25,6 +27,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <limits.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -458,6 +461,124 @@ name_is(const unsigned char *s, Py_ssize_t n, const char *lower)
 
 static const char LANE_REQUEST_LINE[] = "POST /v1/completions HTTP/1.1";
 
+/* Whether a prefix-index entry (``cache_policy.prefix_index``: a replica id held alone, or a
+   {replica: state} dict) names ``replica``; -1 with an exception set. */
+static int
+entry_holds(PyObject *entry, PyObject *replica)
+{
+    if (entry == replica) return 1;
+    if (PyUnicode_CheckExact(entry)) return PyObject_RichCompareBool(entry, replica, Py_EQ);
+    if (PyDict_CheckExact(entry)) return PyDict_Contains(entry, replica);
+    return PySequence_Contains(entry, replica);
+}
+
+PyDoc_STRVAR(held_run_doc,
+"held_run(entries, hashes, start, replica, /)\n--\n\n"
+"The first index ``i >= start`` of ``hashes`` (a list or tuple of block hashes) whose entry in\n"
+"``entries`` (a dict: hash -> replica id, or -> dict of replica ids) is missing or does not name\n"
+"``replica``; ``len(hashes)`` when every one from ``start`` on does. The one-holder walk of\n"
+"``cache_policy.prefix_index.PrefixIndex.match`` (``_held_run`` there is its Python reference).");
+
+static PyObject *
+held_run(PyObject *module, PyObject *args)
+{
+    PyObject *entries, *hashes, *replica;
+    Py_ssize_t start;
+    if (!PyArg_ParseTuple(args, "O!OnO:held_run", &PyDict_Type, &entries, &hashes, &start, &replica)) {
+        return NULL;
+    }
+    if (!PyList_Check(hashes) && !PyTuple_Check(hashes)) {
+        PyErr_SetString(PyExc_TypeError, "held_run: hashes must be a list or tuple");
+        return NULL;
+    }
+    PyObject **items = PySequence_Fast_ITEMS(hashes);
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(hashes);
+    Py_ssize_t i = start < 0 ? 0 : start;
+    for (; i < n; i++) {
+        PyObject *entry = PyDict_GetItemWithError(entries, items[i]);  /* borrowed */
+        if (entry == NULL) {
+            if (PyErr_Occurred()) return NULL;
+            break;
+        }
+        Py_INCREF(entry);
+        int held = entry_holds(entry, replica);
+        Py_DECREF(entry);
+        if (held < 0) return NULL;
+        if (!held) break;
+    }
+    return PyLong_FromSsize_t(i < n ? i : n);
+}
+
+/* dict[key] as a C long long; 0 when absent, 1 when found, -1 with an exception set (also for a
+   value that is no int within 64 bits). */
+static int
+stamp_of(PyObject *dict, PyObject *key, long long *out)
+{
+    PyObject *value = PyDict_GetItemWithError(dict, key);  /* borrowed */
+    if (value == NULL) return PyErr_Occurred() ? -1 : 0;
+    if (!PyLong_Check(value)) {
+        PyErr_SetString(PyExc_TypeError, "surviving_run: a stamp is not an int");
+        return -1;
+    }
+    *out = PyLong_AsLongLong(value);
+    return (*out == -1 && PyErr_Occurred()) ? -1 : 1;
+}
+
+PyDoc_STRVAR(surviving_run_doc,
+"surviving_run(refs, stamps, old, hashes, matched, freed, free_final, /)\n--\n\n"
+"``cache_policy.free_queue.FreeQueueModel.surviving`` past its replica lookup (``_surviving``\n"
+"there is its Python reference): of ``hashes[:matched]``, how many leading blocks survive.\n"
+"A block in ``refs`` (held by a request in flight) survives; else its release stamp (``stamps``,\n"
+"then ``old``; one less than the block before it when neither has one and that block had one)\n"
+"must be known and at most ``free_final`` releases old. OverflowError past 64 bits.");
+
+static PyObject *
+surviving_run(PyObject *module, PyObject *args)
+{
+    PyObject *refs, *stamps, *old, *hashes;
+    Py_ssize_t matched;
+    long long freed, free_final;
+    if (!PyArg_ParseTuple(args, "O!O!O!OnLL:surviving_run", &PyDict_Type, &refs, &PyDict_Type, &stamps,
+                          &PyDict_Type, &old, &hashes, &matched, &freed, &free_final)) {
+        return NULL;
+    }
+    if (!PyList_Check(hashes) && !PyTuple_Check(hashes)) {
+        PyErr_SetString(PyExc_TypeError, "surviving_run: hashes must be a list or tuple");
+        return NULL;
+    }
+    PyObject **items = PySequence_Fast_ITEMS(hashes);
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(hashes);
+    if (matched > n) matched = n;
+    int have_prev = 0;
+    long long prev = 0;
+    Py_ssize_t i = 0;
+    for (; i < matched; i++) {
+        PyObject *h = items[i];
+        int held = PyDict_Contains(refs, h);
+        if (held < 0) return NULL;
+        if (held) {
+            have_prev = 0;
+            continue;
+        }
+        long long stamp;
+        int found = stamp_of(stamps, h, &stamp);
+        if (found == 0) found = stamp_of(old, h, &stamp);
+        if (found < 0) return NULL;
+        if (!found && have_prev) {
+            if (prev == LLONG_MIN) {
+                PyErr_SetString(PyExc_OverflowError, "surviving_run: a stamp past 64 bits");
+                return NULL;
+            }
+            stamp = prev - 1;  /* an output block of the request that released the one before */
+            found = 1;
+        }
+        if (!found || (__int128)freed - stamp > free_final) break;  /* 128 bits: no overflow */
+        prev = stamp;
+        have_prev = 1;
+    }
+    return PyLong_FromSsize_t(i);
+}
+
 PyDoc_STRVAR(lane_head_doc,
 "lane_head(data, end, max_body, /)\n--\n\n"
 "Judge the request head ``data[:end]`` (bytes or bytearray, without its blank line) for the router's fast lane,\n"
@@ -568,6 +689,8 @@ static PyMethodDef methods[] = {
     {"hash_packed", (PyCFunction)hash_packed, METH_VARARGS, hash_packed_doc},
     {"split_ids", (PyCFunction)split_ids, METH_VARARGS, split_ids_doc},
     {"lane_head", (PyCFunction)lane_head, METH_VARARGS, lane_head_doc},
+    {"held_run", (PyCFunction)held_run, METH_VARARGS, held_run_doc},
+    {"surviving_run", (PyCFunction)surviving_run, METH_VARARGS, surviving_run_doc},
     {NULL, NULL, 0, NULL},
 };
 

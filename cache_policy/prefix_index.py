@@ -25,6 +25,7 @@ from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from cache_policy.native import NATIVE
 from cache_policy.types import BlockHash, ReplicaId
 
 _CONFIRMED = None
@@ -37,6 +38,24 @@ def _as_dict(holders) -> dict[ReplicaId, float | None]:
 
 def _held_by(holders, replica: ReplicaId) -> bool:
     return holders == replica if holders.__class__ is str else replica in holders
+
+
+def _held_run_py(entries: dict, hashes: Sequence[BlockHash], start: int, replica: ReplicaId) -> int:
+    """The first index ``i >= start`` of ``hashes`` whose entry is missing or does not name
+    ``replica`` (``len(hashes)`` when none): the reference of ``cache_policy._native.held_run``,
+    which a 4,000-token prompt's hit (250 blocks) takes in a few microseconds instead of ~100."""
+    for i in range(max(start, 0), len(hashes)):
+        holders = entries.get(hashes[i])
+        if holders is None or not _held_by(holders, replica):
+            return i
+    return len(hashes)
+
+
+def _held_run(entries: dict, hashes: Sequence[BlockHash], start: int, replica: ReplicaId) -> int:
+    """:func:`_held_run_py`, in C when the extension is built and ``hashes`` a list or tuple."""
+    if NATIVE is not None and hashes.__class__ in (tuple, list):
+        return NATIVE.held_run(entries, hashes, start, replica)
+    return _held_run_py(entries, hashes, start, replica)
 
 
 @dataclass(frozen=True)
@@ -232,20 +251,14 @@ class PrefixIndex:
         # prefixes have one holder: then each block is one dict lookup and one membership test)
         result: dict[ReplicaId, int] = {}
         alive = [first] if first.__class__ is str else list(first)
-        depth = 1
-        for depth in range(1, len(hashes) + 1):
-            if depth == len(hashes):
+        depth, n = 1, len(hashes)
+        while depth < n:
+            if len(alive) == 1:  # one holder left (most prefixes): the rest of its run in one call
+                depth = _held_run(entries, hashes, depth, alive[0])
                 break
             holders = entries.get(hashes[depth])
             if holders is None:
                 break
-            if len(alive) == 1:
-                if holders.__class__ is str:
-                    if holders != alive[0]:
-                        break
-                elif alive[0] not in holders:
-                    break
-                continue
             if holders.__class__ is str:
                 holders = (holders,)
             still = [r for r in alive if r in holders]
@@ -256,6 +269,7 @@ class PrefixIndex:
                 alive = still
                 if not alive:
                     break
+            depth += 1
         for r in alive:
             result[r] = depth
         if touch:

@@ -131,3 +131,83 @@ def test_hash_packed_refuses_a_partial_token():
         NATIVE.hash_packed(b"\x01\x02\x03", 4, 0, b"", 0)
     with pytest.raises(ValueError, match="block_size"):
         NATIVE.hash_packed(b"", 0, 0, b"", 0)
+
+
+# -- the decision core's per-block walks on a prefix-cache hit ----------------------------------
+
+REPLICAS = st.sampled_from(["r0", "r1", "r2"])
+ENTRY = st.one_of(REPLICAS, st.dictionaries(REPLICAS, st.one_of(st.none(), st.floats(0, 10)), min_size=1))
+
+
+@needs_native
+@settings(max_examples=400, deadline=None)
+@given(entries=st.dictionaries(st.integers(0, 40), ENTRY), hashes=st.lists(st.integers(0, 40), max_size=30),
+       start=st.integers(-2, 32), replica=REPLICAS)
+def test_held_run_is_the_python_walk(entries, hashes, start, replica):
+    from cache_policy.prefix_index import _held_run_py
+
+    # the reference, written out again: the first block from start whose entry does not name replica
+    want = next((i for i in range(max(start, 0), len(hashes))
+                 if not (entries.get(hashes[i]) == replica or replica in (entries.get(hashes[i]) or ()))),
+                len(hashes))
+    assert _held_run_py(entries, hashes, start, replica) == want
+    assert NATIVE.held_run(entries, hashes, start, replica) == want
+    assert NATIVE.held_run(entries, tuple(hashes), start, "r" + replica[1:]) == want  # equal, not identical
+    assert NATIVE.held_run(entries, hashes, start, replica) == _held_run_py(entries, hashes, start, replica)
+
+
+@needs_native
+@settings(max_examples=400, deadline=None)
+@given(refs=st.dictionaries(st.integers(0, 30), st.integers(1, 3)),
+       stamps=st.dictionaries(st.integers(0, 30), st.integers(0, 60)),
+       old=st.dictionaries(st.integers(0, 30), st.integers(0, 60)),
+       hashes=st.lists(st.integers(0, 30), max_size=30), matched=st.integers(0, 35),
+       extra=st.integers(0, 10), free_final=st.integers(-5, 70))
+def test_surviving_run_is_the_python_walk(refs, stamps, old, hashes, matched, extra, free_final):
+    from collections import Counter
+
+    from cache_policy.free_queue import _ReplicaQueue, _surviving_py
+
+    freed = max([*stamps.values(), *old.values(), 0]) + extra
+    q = _ReplicaQueue(Counter(refs), stamps, old, freed)
+    want = _surviving_py(q, hashes, matched, free_final)
+    assert NATIVE.surviving_run(q.refs, stamps, old, hashes, matched, freed, free_final) == want
+    assert NATIVE.surviving_run(q.refs, stamps, old, tuple(hashes), matched, freed, free_final) == want
+    assert 0 <= want <= min(matched, len(hashes))
+
+
+def test_the_walks_on_a_hit_answer_alike_with_and_without_the_extension():
+    """One decision core, agent turns that extend their prompt: the same placements and expected
+    hits on the C walks and on the Python ones."""
+    import random
+
+    import cache_policy.free_queue as free_queue
+    import cache_policy.prefix_index as prefix_index
+    from cache_policy.config import PolicyConfig
+    from cache_policy.core import DecisionCore, RequestSpec
+
+    def run() -> list[tuple[str, int, int]]:
+        rng = random.Random(7)
+        core = DecisionCore(PolicyConfig())
+        for r in range(3):
+            core.add_replica(f"r{r}", block_size=16, num_gpu_blocks=2000)
+        sessions = [[rng.randrange(100, 30000) for _ in range(400)] for _ in range(5)]
+        out, t = [], 0.0
+        for turn in range(12):
+            for k, ids in enumerate(sessions):
+                ids.extend(rng.randrange(100, 30000) for _ in range(rng.randrange(10, 60)))
+                t += 0.01
+                job = core.open(RequestSpec(list(ids), f"s{k}", new_tokens=20), t)
+                core.place(job, t)
+                core.admit(job, t)
+                core.settle()
+                out.append((job.replica_id, job.decision.matched_blocks, job.expected_cached_tokens))
+                job.generated_tokens = 20
+                core.finish(job, "ok", t)
+        return out
+
+    with_c = run()
+    with without_native(prefix_index), without_native(free_queue):
+        without = run()
+    assert with_c == without
+    assert sum(m for _, m, _ in with_c) > 0 and sum(e for _, _, e in with_c) > 0  # hits happened
