@@ -15,6 +15,12 @@
  * lane_head(data, end, max_body) -> (pairs, content_length, close) | None
  * held_run(entries, hashes, start, replica) -> int
  * surviving_run(refs, stamps, old, hashes, matched, freed, free_final) -> int
+ * taken_run(refs, stamps, old, hashes) -> list[int]
+ * insert_run(entries, hashes, replica) -> (stop, added)
+ *
+ * The last four are the decision core's per-block walks on a prefix-cache hit (a 4,000-token
+ * prompt that hits walks 250 blocks in each): the Python loops in cache_policy.prefix_index and
+ * cache_policy.free_queue stay their reference.
  *
  * split_ids reads a request body's token-ID list straight from its JSON bytes, so a 4,000-token
  * prompt never becomes 4,000 Python ints (decoding them is most of a body's decode time); the
@@ -579,6 +585,98 @@ surviving_run(PyObject *module, PyObject *args)
     return PyLong_FromSsize_t(i);
 }
 
+PyDoc_STRVAR(taken_run_doc,
+"taken_run(refs, stamps, old, hashes, /)\n--\n\n"
+"The release stamps of the leading blocks of ``hashes`` a prefix-cache hit takes out of the free\n"
+"queue: blocks in ``refs`` (held by a request in flight) are skipped, the others give their stamp\n"
+"(``stamps``, then ``old``) up to the first one with none. The walk of\n"
+"``cache_policy.free_queue.FreeQueueModel.hold`` (``_taken_py`` there is its Python reference).");
+
+static PyObject *
+taken_run(PyObject *module, PyObject *args)
+{
+    PyObject *refs, *stamps, *old, *hashes;
+    if (!PyArg_ParseTuple(args, "O!O!O!O:taken_run", &PyDict_Type, &refs, &PyDict_Type, &stamps,
+                          &PyDict_Type, &old, &hashes)) {
+        return NULL;
+    }
+    if (!PyList_Check(hashes) && !PyTuple_Check(hashes)) {
+        PyErr_SetString(PyExc_TypeError, "taken_run: hashes must be a list or tuple");
+        return NULL;
+    }
+    PyObject *out = PyList_New(0);
+    if (out == NULL) return NULL;
+    PyObject **items = PySequence_Fast_ITEMS(hashes);
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(hashes);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *h = items[i];
+        int held = PyDict_Contains(refs, h);
+        if (held < 0) goto fail;
+        if (held) continue;
+        PyObject *stamp = PyDict_GetItemWithError(stamps, h);  /* borrowed */
+        if (stamp == NULL) {
+            if (PyErr_Occurred()) goto fail;
+            stamp = PyDict_GetItemWithError(old, h);
+            if (stamp == NULL) {
+                if (PyErr_Occurred()) goto fail;
+                break;
+            }
+        }
+        if (PyList_Append(out, stamp) < 0) goto fail;
+    }
+    return out;
+fail:
+    Py_DECREF(out);
+    return NULL;
+}
+
+PyDoc_STRVAR(insert_run_doc,
+"insert_run(entries, hashes, replica, /)\n--\n\n"
+"The prefix index's insert of ``hashes`` for a replica that holds its blocks alone (an entry\n"
+"that is the replica id itself), from the last block back: a missing block gets the entry\n"
+"``replica``, a block whose entry is ``replica`` alone moves to the most recently used end.\n"
+"Stops before the first block with any other entry and returns ``(i, added)``: Python goes on\n"
+"with ``hashes[:i + 1]`` (``i`` is -1 when every block was done), ``added`` blocks were new.\n"
+"``cache_policy.prefix_index.PrefixIndex.insert``'s loop is its reference.");
+
+static PyObject *
+insert_run(PyObject *module, PyObject *args)
+{
+    PyObject *entries, *hashes, *replica;
+    if (!PyArg_ParseTuple(args, "O!OU:insert_run", &PyDict_Type, &entries, &hashes, &replica)) {
+        return NULL;
+    }
+    if (!PyList_Check(hashes) && !PyTuple_Check(hashes)) {
+        PyErr_SetString(PyExc_TypeError, "insert_run: hashes must be a list or tuple");
+        return NULL;
+    }
+    PyObject **items = PySequence_Fast_ITEMS(hashes);
+    Py_ssize_t i = PySequence_Fast_GET_SIZE(hashes) - 1, added = 0;
+    for (; i >= 0; i--) {
+        PyObject *h = items[i];
+        PyObject *entry = PyDict_GetItemWithError(entries, h);  /* borrowed */
+        if (entry == NULL) {
+            if (PyErr_Occurred()) return NULL;
+            if (PyDict_SetItem(entries, h, replica) < 0) return NULL;
+            added++;
+            continue;
+        }
+        if (entry != replica) {
+            if (!PyUnicode_CheckExact(entry)) break;
+            int same = PyObject_RichCompareBool(entry, replica, Py_EQ);
+            if (same < 0) return NULL;
+            if (!same) break;
+        }
+        Py_INCREF(entry);  /* to the most recently used end: out, and in again */
+        if (PyDict_DelItem(entries, h) < 0 || PyDict_SetItem(entries, h, entry) < 0) {
+            Py_DECREF(entry);
+            return NULL;
+        }
+        Py_DECREF(entry);
+    }
+    return Py_BuildValue("(nn)", i, added);
+}
+
 PyDoc_STRVAR(lane_head_doc,
 "lane_head(data, end, max_body, /)\n--\n\n"
 "Judge the request head ``data[:end]`` (bytes or bytearray, without its blank line) for the router's fast lane,\n"
@@ -691,6 +789,8 @@ static PyMethodDef methods[] = {
     {"lane_head", (PyCFunction)lane_head, METH_VARARGS, lane_head_doc},
     {"held_run", (PyCFunction)held_run, METH_VARARGS, held_run_doc},
     {"surviving_run", (PyCFunction)surviving_run, METH_VARARGS, surviving_run_doc},
+    {"taken_run", (PyCFunction)taken_run, METH_VARARGS, taken_run_doc},
+    {"insert_run", (PyCFunction)insert_run, METH_VARARGS, insert_run_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -82,16 +82,11 @@ class FreeQueueModel:
         q = self._replicas.get(rid)
         if q is None:
             q = self._replicas[rid] = _ReplicaQueue()
-        refs, stamp_of = q.refs, q.stamp
-        taken = []
-        for h in hashes:
-            if h in refs:
-                continue
-            stamp = stamp_of(h)
-            if stamp is None:
-                break
-            taken.append(stamp)
-        refs.update(hashes)
+        if NATIVE is not None and hashes.__class__ in (tuple, list):
+            taken = NATIVE.taken_run(q.refs, q.stamps, q.old, hashes)
+        else:
+            taken = _taken_py(q, hashes)
+        q.refs.update(hashes)
         return taken
 
     def release(self, rid: ReplicaId, hashes: Sequence[BlockHash], footprint_blocks: int, capacity_blocks: int,
@@ -198,3 +193,17 @@ def _surviving_py(q: _ReplicaQueue, hashes: Sequence[BlockHash], matched: int, f
             return n
         prev = stamp
     return min(matched, len(hashes))
+
+
+def _taken_py(q: _ReplicaQueue, hashes: Sequence[BlockHash]) -> list[int]:
+    """The stamps :meth:`FreeQueueModel.hold` returns: the reference of ``cache_policy._native.taken_run``."""
+    refs, stamp_of = q.refs, q.stamp
+    taken = []
+    for h in hashes:
+        if h in refs:
+            continue
+        stamp = stamp_of(h)
+        if stamp is None:
+            break
+        taken.append(stamp)
+    return taken

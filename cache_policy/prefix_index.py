@@ -187,6 +187,10 @@ class PrefixIndex:
                 entries.update(zip(last_first, itertools.repeat(replica)))
             added = len(entries) - before  # not len(hashes): a hash repeated in ``hashes`` is one entry
             hashes = ()
+        if hashes and compact and NATIVE is not None and hashes.__class__ in (tuple, list):
+            stop, new = NATIVE.insert_run(entries, hashes, replica)  # a hit's blocks it alone holds, in C,
+            added += new  # up to the first block another replica holds too (the loop below goes on there)
+            hashes = hashes[:stop + 1]
         pop = entries.pop
         for h in reversed(hashes):  # _holders inlined: this loop runs once per block of every request
             holders = pop(h, None)  # put back below: the most recently used end

@@ -211,3 +211,54 @@ def test_the_walks_on_a_hit_answer_alike_with_and_without_the_extension():
         without = run()
     assert with_c == without
     assert sum(m for _, m, _ in with_c) > 0 and sum(e for _, _, e in with_c) > 0  # hits happened
+
+
+@needs_native
+@settings(max_examples=300, deadline=None)
+@given(refs=st.dictionaries(st.integers(0, 30), st.integers(1, 3)),
+       stamps=st.dictionaries(st.integers(0, 30), st.integers(0, 60)),
+       old=st.dictionaries(st.integers(0, 30), st.integers(0, 60)),
+       hashes=st.lists(st.integers(0, 30), max_size=30))
+def test_taken_run_is_the_python_walk(refs, stamps, old, hashes):
+    from collections import Counter
+
+    from cache_policy.free_queue import _ReplicaQueue, _taken_py
+
+    q = _ReplicaQueue(Counter(refs), stamps, old, 100)
+    want = _taken_py(q, hashes)
+    assert NATIVE.taken_run(q.refs, stamps, old, hashes) == want
+    assert NATIVE.taken_run(q.refs, stamps, old, tuple(hashes)) == want
+
+
+# an index operation: insert (a prompt's hashes on a replica), confirm (an engine event), remove
+INDEX_OPS = st.lists(st.tuples(st.sampled_from(["insert", "insert", "insert", "confirm", "remove"]),
+                               st.lists(st.integers(0, 25), min_size=1, max_size=12).map(tuple),
+                               st.sampled_from(["r0", "r1", "r2"])), max_size=25)
+
+
+@needs_native
+@settings(max_examples=300, deadline=None)
+@given(ops=INDEX_OPS, fed=st.sampled_from([(), ("r1",)]), max_blocks=st.integers(4, 40))
+def test_the_index_inserts_alike_with_and_without_the_extension(ops, fed, max_blocks):
+    """insert_run (a hit's blocks a replica holds alone, in C) leaves the index exactly as the
+    Python loop does: the same entries in the same LRU order, the same counts."""
+    import cache_policy.prefix_index as prefix_index
+    from cache_policy.prefix_index import PrefixIndex
+
+    def run() -> tuple:
+        index = PrefixIndex(max_blocks, evict_batch=1)
+        for r in fed:
+            index.set_event_fed(r, now=0.0)
+        for t, (op, hashes, replica) in enumerate(ops):
+            if op == "insert":
+                index.insert(hashes, replica, float(t))
+            elif op == "confirm":
+                index.confirm(hashes, replica, float(t))
+            else:
+                index.remove(hashes, replica)
+        index.check_integrity()
+        return list(index._entries.items()), dict(index._per_replica), dict(index._confirmed), len(index)
+
+    with_c = run()
+    with without_native(prefix_index):
+        assert run() == with_c
