@@ -261,13 +261,14 @@ class AdmissionQueue:
         taken: list[AdmissionRequest] = []
         joined: dict[int, AdmissionRequest] = {}  # members admitted with their running group
         opened: dict[ReplicaId, list[int]] = {}  # per replica, the holds of sessions opened in this pass
-        for req in self._store.in_order():
+        timeout = self.cfg.queue_timeout_s
+        for req in self._store.in_order():  # a long queue is mostly requests of blocked replicas: cheap tests first
             rid = req.replica_id
-            view = views.get(rid)
-            if view is None or not view.healthy or self._expired(req, now):
-                continue
             joins = req.group_id is not None and ((req.group_id, rid) in groups or group_running(req.group_id, rid))
             if rid in blocked and not joins:
+                continue
+            view = views.get(rid)
+            if view is None or not view.healthy or now - req.enqueued_at > timeout:  # _expired, inlined
                 continue
             now_view = msgspec.structs.replace(view, in_flight=view.in_flight + extra_in_flight[rid])
             guard = guards.get(rid, 0) if guards and req.priority != "continuing_session" else 0
