@@ -16,12 +16,20 @@ same interleaving: the one comparison with them that the machine's drift does no
     python -m bench.h2h.ab /tmp/before .          # 1,000 requests each
     python -m bench.h2h.ab /tmp/before . --requests 2000 --tokens 4000
     python -m bench.h2h.ab . --rust "vllm-router round_robin" "vllm-router cache_aware"
+    python -m bench.h2h.ab /tmp/before . --turns 8   # agent turns: prompts that extend a session's last
+
+``--turns K`` (default 1: every prompt new, a prefix-cache miss) sends sessions of K turns instead,
+each turn's prompt its session's previous one plus new tokens (the first ``3/4`` of ``--tokens``,
+the last about ``--tokens``), with the session's routing-key header: from the second turn on, a
+router that looks at prompts (ours' prefix index, a cache-aware policy) finds a long cached prefix,
+the rollouts' common case.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import signal
@@ -41,6 +49,9 @@ from bench.h2h.cli import replica_process
 from bench.h2h.drive import VOCAB_HI, VOCAB_LO
 from bench.h2h.latency import cpu_s, pct
 from bench.h2h.routers import ALL, ROOT, RouterSpec, command, free_port
+
+OURS = next(s for s in ALL if s.kind == "ours")
+"""The routing-key headers a checkout of this router reads (``--turns``)."""
 
 READY_S = 120.0
 
@@ -76,9 +87,22 @@ async def _ready(http: aiohttp.ClientSession, url: str, proc: subprocess.Popen, 
         await asyncio.sleep(0.25)
 
 
+def turn_prompts(rng: np.random.Generator, tokens: int, turns: int):
+    """Endless ``(session_id, token_ids)``: sessions of ``turns`` prompts, each extending the one
+    before (``turns`` 1: a new session of ``tokens`` IDs every time)."""
+    first = tokens if turns == 1 else tokens * 3 // 4
+    step = 0 if turns == 1 else (tokens - first) // (turns - 1)
+    for session in itertools.count():
+        ids = rng.integers(VOCAB_LO, VOCAB_HI, first).tolist()
+        for turn in range(turns):
+            if turn:
+                ids = ids + rng.integers(VOCAB_LO, VOCAB_HI, step).tolist()
+            yield f"ab-{session}", ids
+
+
 async def run(checkouts: list[Path], requests: int, tokens: int, seed: int, warmup: int = 50,
               spy_venv: Path | None = None, rust: list[RouterSpec] = (), rust_venv: Path | None = None,
-              ) -> dict[str, dict]:
+              turns: int = 1) -> dict[str, dict]:
     """Added latency and CPU per request of each checkout's router and of the floor; with ``spy_venv``
     (a venv holding py-spy), the last checkout's router is sampled during the timed requests and its
     result holds ``profile`` (``bench.h2h.profile.top_frames``)."""
@@ -90,24 +114,27 @@ async def run(checkouts: list[Path], requests: int, tokens: int, seed: int, warm
         config = work / "router.yaml"
         config.write_text(f"replicas:\n  urls: [{urls[0]}]\n")
         procs: dict[str, tuple[subprocess.Popen, str]] = {}
+        specs: dict[str, RouterSpec] = {}  # the routers that take a routing key (with --turns)
         try:
             for k, root in enumerate([*checkouts, *FLOORS, *rust]):
                 port = free_port()
                 if isinstance(root, RouterSpec):
                     name, cwd = root.name, ROOT
+                    specs[name] = root
                     argv = command(root, urls[:1], port, rust_venv or ROOT / ".venv-h2h", work)
                 elif root in FLOORS:
                     name, cwd = FLOORS[root][0], ROOT
                     argv = [sys.executable, "-m", FLOORS[root][1], "--port", str(port), urls[0], *FLOORS[root][2]]
                 else:
                     name, cwd = f"{k + 1}: {root}", root
+                    specs[name] = OURS
                     argv = [sys.executable, "-m", "router", "serve", "--config", str(config), "--host", "127.0.0.1",
                             "--port", str(port), "--log-level", "WARNING"]
                 with open(work / f"router-{k}.log", "ab") as log:
                     procs[name] = (subprocess.Popen(argv, cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
                                                     start_new_session=True, env={**os.environ, "PYTHONPATH": str(cwd)}),
                                    f"http://127.0.0.1:{port}")
-            rng = np.random.default_rng(seed)
+            prompts = turn_prompts(np.random.default_rng(seed), tokens, turns)
             order_rng = np.random.default_rng(seed + 1)
             times: dict[str, list[float]] = {name: [] for name in ["direct", *procs]}
             targets = [("direct", urls[0]), *((name, url) for name, (_, url) in procs.items())]
@@ -121,15 +148,16 @@ async def run(checkouts: list[Path], requests: int, tokens: int, seed: int, warm
                         cpu0 = {name: cpu_s(proc.pid) for name, (proc, _) in procs.items()}
                         if spy_venv is not None:
                             spy = profile.start(procs[f"{len(checkouts)}: {checkouts[-1]}"][0].pid, work, spy_venv)
-                    ids = rng.integers(VOCAB_LO, VOCAB_HI, tokens).tolist()
+                    session, ids = next(prompts)
                     body = json.dumps({"model": "sim-model", "prompt": ids, "max_tokens": 1}).encode()
                     # a fresh order each round: with a rotation, the router after ``direct`` was always
                     # the same one, and it read ~0.2 ms slower than an identical copy of itself
                     for t in order_rng.permutation(len(targets)):
                         name, url = targets[t]
                         started = time.perf_counter()
+                        key = specs[name].headers(session, None) if turns > 1 and name in specs else {}
                         async with http.post(url + "/v1/completions", data=body,
-                                             headers={"Content-Type": "application/json"}) as r:
+                                             headers={"Content-Type": "application/json", **key}) as r:
                             await r.read()
                             if r.status != 200:
                                 raise RuntimeError(f"{name} answered {r.status}")
@@ -163,6 +191,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     p.add_argument("--requests", type=int, default=1000, help="timed requests per router (default 1000)")
     p.add_argument("--tokens", type=int, default=4000, help="token IDs per prompt (default 4000)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--turns", type=int, default=1,
+                   help="turns per session: each prompt extends the one before (default 1: every prompt new)")
     p.add_argument("--py-spy", type=Path, default=None, metavar="VENV",
                    help="sample the last checkout's router with VENV/bin/py-spy; prints its top frames")
     p.add_argument("--rust", nargs="+", default=[], metavar="ROUTER",
@@ -174,14 +204,18 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     for name in args.rust:
         if name not in by_name:
             p.error(f"--rust {name!r}: one of {', '.join(by_name)}")
+    if args.turns < 1 or args.tokens < 4 * args.turns:
+        p.error("--turns must be >= 1 and --tokens at least 4x --turns")
     for c in args.checkouts:
         if not (c / "router" / "__main__.py").is_file():
             p.error(f"{c} does not hold this repository (no router/__main__.py)")
     result = asyncio.run(run([c.resolve() for c in args.checkouts], args.requests, args.tokens, args.seed,
                              spy_venv=args.py_spy.resolve() if args.py_spy else None,
-                             rust=[by_name[n] for n in args.rust], rust_venv=args.rust_venv.resolve()))
+                             rust=[by_name[n] for n in args.rust], rust_venv=args.rust_venv.resolve(),
+                             turns=args.turns))
     spied = result.pop("profile", None)
-    table = Table(title=f"Router-added latency, {args.requests} interleaved {args.tokens}-token prompts, one replica "
+    what = f"{args.tokens}-token prompts" if args.turns == 1 else f"agent turns ({args.turns} per session, up to {args.tokens} tokens)"
+    table = Table(title=f"Router-added latency, {args.requests} interleaved {what}, one replica "
                         f"(direct p50 {next(iter(result.values()))['direct_p50_ms']:.2f} ms)")
     for col in ("router", "added p50 ms", "added p99 ms", "CPU ms / request"):
         table.add_column(col, justify="right" if col != "router" else "left")

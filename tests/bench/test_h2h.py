@@ -125,6 +125,35 @@ def test_ab_measures_a_checkout_beside_the_pass_through_floor():
         assert row["cpu_ms_per_request"] > 0 and row["direct_p50_ms"] > 0
 
 
+def test_ab_turns_extend_each_session_prompt():
+    """``--turns K``: K prompts per session, each the one before plus new IDs, the last about
+    ``tokens``; ``--turns 1``: every prompt new, ``tokens`` long."""
+    import itertools
+
+    import numpy as np
+
+    from bench.h2h.ab import turn_prompts
+
+    got = list(itertools.islice(turn_prompts(np.random.default_rng(0), 400, 4), 8))
+    assert [s for s, _ in got] == ["ab-0"] * 4 + ["ab-1"] * 4
+    for (_, before), (_, after) in zip(got[:3], got[1:4]):
+        assert after[:len(before)] == before and len(after) == len(before) + 33
+    assert [len(ids) for _, ids in got[:4]] == [300, 333, 366, 399]
+    assert got[4][1][:300] != got[0][1][:300]  # a new session, a new prompt
+    new = list(itertools.islice(turn_prompts(np.random.default_rng(0), 400, 1), 3))
+    assert [s for s, _ in new] == ["ab-0", "ab-1", "ab-2"] and all(len(ids) == 400 for _, ids in new)
+
+
+def test_ab_with_turns_routes_each_session_by_its_header():
+    """``run`` with ``turns``: the checkout and the floors answer every turn, routing headers and
+    all (a non-200 raises), and the checkout's router spent CPU on them."""
+    from bench.h2h.ab import run
+    from bench.h2h.routers import ROOT
+
+    result = asyncio.run(run([ROOT], requests=40, tokens=400, seed=2, warmup=2, turns=4))
+    assert result[f"1: {ROOT}"]["cpu_ms_per_request"] > 0
+
+
 def test_ab_takes_only_rust_routers_that_read_token_ids(capsys):
     """``--rust`` names vllm-router's policies; sglang-router (text prompts only) or a typo is a
     usage error before anything starts."""
