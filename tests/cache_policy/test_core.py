@@ -295,24 +295,31 @@ def test_a_thousand_mixed_requests_keep_every_invariant(seed):
 @settings(max_examples=150, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 5), st.sampled_from([None, "s1", "s2"]), st.sampled_from(["ok", "cancelled",
                                                                                                "refused", "hold"]),
-                          st.floats(0.0, 2.0), st.booleans()), max_size=30))
+                          st.floats(0.0, 2.0), st.booleans(), st.integers(-1, 5)), max_size=30))
 def test_the_bookkeeping_settle_defers_reads_exactly_as_if_done_at_once(ops):
     """``admit`` defers the admitted prompt's hold in the free-queue model (and ``place`` the index
     insert) until :meth:`settle`, which a router calls once the request is sent: a core settled
-    after every admission and one never settled explicitly decide everything alike."""
+    after every admission and one never settled explicitly decide everything alike. ``before``
+    (>= 0): another request is placed and admitted between this one's place and admit (with
+    shared state, a router awaits Redis there), so its admission reads a hold still deferred."""
     cores = [DecisionCore(PolicyConfig(queue_timeout_s=5.0, session_idle_s=10.0)) for _ in range(2)]
     for core in cores:
         for rid in R[:2]:
             core.add_replica(rid, block_size=16, num_gpu_blocks=48)
     held: list[list] = [[], []]
     now = 0.0
-    for prefix, session, end, dt, pump in ops:
+    for prefix, session, end, dt, pump, before in ops:
         now += dt
         prompt = list(range(100 * prefix, 100 * prefix + 40 + 16 * prefix))
         seen = []
         for k, core in enumerate(cores):
             job = core.open(RequestSpec(prompt, session_id=session, new_tokens=20), now)
             core.place(job, now)
+            if before >= 0:  # in between: another request, placed and admitted, its hold deferred
+                other = core.open(RequestSpec(list(range(100 * before, 100 * before + 56)), new_tokens=8), now)
+                core.place(other, now)
+                if core.admit(other, now).verdict == "admit":
+                    held[k].append(other)
             adm = core.admit(job, now)
             if k == 0:
                 core.settle()
