@@ -467,6 +467,20 @@ name_is(const unsigned char *s, Py_ssize_t n, const char *lower)
 
 static const char LANE_REQUEST_LINE[] = "POST /v1/completions HTTP/1.1";
 
+/* The items of ``hashes`` (a list or tuple of block hashes, borrowed) and their count; -1 with a
+   TypeError naming ``fn`` for anything else. */
+static int
+block_hash_items(PyObject *hashes, const char *fn, PyObject ***items, Py_ssize_t *n)
+{
+    if (!PyList_Check(hashes) && !PyTuple_Check(hashes)) {
+        PyErr_Format(PyExc_TypeError, "%s: hashes must be a list or tuple", fn);
+        return -1;
+    }
+    *items = PySequence_Fast_ITEMS(hashes);
+    *n = PySequence_Fast_GET_SIZE(hashes);
+    return 0;
+}
+
 /* Whether a prefix-index entry (``cache_policy.prefix_index``: a replica id held alone, or a
    {replica: state} dict) names ``replica``; -1 with an exception set. */
 static int
@@ -483,7 +497,7 @@ PyDoc_STRVAR(held_run_doc,
 "The first index ``i >= start`` of ``hashes`` (a list or tuple of block hashes) whose entry in\n"
 "``entries`` (a dict: hash -> replica id, or -> dict of replica ids) is missing or does not name\n"
 "``replica``; ``len(hashes)`` when every one from ``start`` on does. The one-holder walk of\n"
-"``cache_policy.prefix_index.PrefixIndex.match`` (``_held_run`` there is its Python reference).");
+"``cache_policy.prefix_index.PrefixIndex.match`` (``_held_run_py`` there is its Python reference).");
 
 static PyObject *
 held_run(PyObject *module, PyObject *args)
@@ -493,12 +507,9 @@ held_run(PyObject *module, PyObject *args)
     if (!PyArg_ParseTuple(args, "O!OnO:held_run", &PyDict_Type, &entries, &hashes, &start, &replica)) {
         return NULL;
     }
-    if (!PyList_Check(hashes) && !PyTuple_Check(hashes)) {
-        PyErr_SetString(PyExc_TypeError, "held_run: hashes must be a list or tuple");
-        return NULL;
-    }
-    PyObject **items = PySequence_Fast_ITEMS(hashes);
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(hashes);
+    PyObject **items;
+    Py_ssize_t n;
+    if (block_hash_items(hashes, "held_run", &items, &n) < 0) return NULL;
     Py_ssize_t i = start < 0 ? 0 : start;
     for (; i < n; i++) {
         PyObject *entry = PyDict_GetItemWithError(entries, items[i]);  /* borrowed */
@@ -548,12 +559,9 @@ surviving_run(PyObject *module, PyObject *args)
                           &PyDict_Type, &old, &hashes, &matched, &freed, &free_final)) {
         return NULL;
     }
-    if (!PyList_Check(hashes) && !PyTuple_Check(hashes)) {
-        PyErr_SetString(PyExc_TypeError, "surviving_run: hashes must be a list or tuple");
-        return NULL;
-    }
-    PyObject **items = PySequence_Fast_ITEMS(hashes);
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(hashes);
+    PyObject **items;
+    Py_ssize_t n;
+    if (block_hash_items(hashes, "surviving_run", &items, &n) < 0) return NULL;
     if (matched > n) matched = n;
     int have_prev = 0;
     long long prev = 0;
@@ -600,14 +608,11 @@ taken_run(PyObject *module, PyObject *args)
                           &PyDict_Type, &old, &hashes)) {
         return NULL;
     }
-    if (!PyList_Check(hashes) && !PyTuple_Check(hashes)) {
-        PyErr_SetString(PyExc_TypeError, "taken_run: hashes must be a list or tuple");
-        return NULL;
-    }
+    PyObject **items;
+    Py_ssize_t n;
+    if (block_hash_items(hashes, "taken_run", &items, &n) < 0) return NULL;
     PyObject *out = PyList_New(0);
     if (out == NULL) return NULL;
-    PyObject **items = PySequence_Fast_ITEMS(hashes);
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(hashes);
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *h = items[i];
         int held = PyDict_Contains(refs, h);
@@ -646,12 +651,10 @@ insert_run(PyObject *module, PyObject *args)
     if (!PyArg_ParseTuple(args, "O!OU:insert_run", &PyDict_Type, &entries, &hashes, &replica)) {
         return NULL;
     }
-    if (!PyList_Check(hashes) && !PyTuple_Check(hashes)) {
-        PyErr_SetString(PyExc_TypeError, "insert_run: hashes must be a list or tuple");
-        return NULL;
-    }
-    PyObject **items = PySequence_Fast_ITEMS(hashes);
-    Py_ssize_t i = PySequence_Fast_GET_SIZE(hashes) - 1, added = 0;
+    PyObject **items;
+    Py_ssize_t n;
+    if (block_hash_items(hashes, "insert_run", &items, &n) < 0) return NULL;
+    Py_ssize_t i = n - 1, added = 0;
     for (; i >= 0; i--) {
         PyObject *h = items[i];
         PyObject *entry = PyDict_GetItemWithError(entries, h);  /* borrowed */
