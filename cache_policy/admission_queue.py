@@ -85,7 +85,8 @@ class AdmissionQueueStore:
     ``_new`` only new requests, each in arrival order; ``_requests[r]`` is the sum of
     ``requests`` over the queued requests for replica ``r`` that do not open a session (kept
     incrementally: placement reads it on every decision as load); ``_groups[g]`` counts the
-    queued requests of group ``g``.
+    queued requests of group ``g``; ``_classes[(r, k)]`` the queued requests for replica ``r`` of
+    priority rank ``k``.
 
     A session's first request waiting for room among the replica's sessions
     (``AdmissionState.sessions_full``) is not load there: counted, the replicas with waiting
@@ -99,6 +100,8 @@ class AdmissionQueueStore:
         self._new: list[AdmissionRequest] = []
         self._requests: Counter[str] = Counter()
         self._groups: Counter[str] = Counter()
+        self._classes: Counter[tuple[str, int]] = Counter()
+        """Queued requests per (replica, priority rank): :meth:`has_waiting` on every admission."""
 
     @property
     def requests_by_replica(self) -> Counter[str]:
@@ -115,6 +118,7 @@ class AdmissionQueueStore:
             self._requests[req.replica_id] += req.requests
         if req.group_id is not None:
             self._groups[req.group_id] += 1
+        self._classes[req.replica_id, _RANK[req.priority]] += 1
         if req.priority == "continuing_session":
             assert req.session_id is not None, "bug: continuing request without session"
             self._sessions.setdefault(req.session_id, []).append(req)
@@ -144,6 +148,10 @@ class AdmissionQueueStore:
                 self._groups[r.group_id] -= 1
                 if not self._groups[r.group_id]:
                     del self._groups[r.group_id]
+            cls = (r.replica_id, _RANK[r.priority])
+            self._classes[cls] -= 1
+            if not self._classes[cls]:
+                del self._classes[cls]
         touched = [s for s, q in self._sessions.items() if any(id(r) in gone for r in q)]
         for sid in touched:
             rest = [r for r in self._sessions[sid] if id(r) not in gone]
@@ -158,9 +166,8 @@ class AdmissionQueueStore:
 
     def has_waiting(self, replica_id: str, priority: Priority) -> bool:
         """Whether a request of equal or higher priority waits for ``replica_id``."""
-        rank = _RANK[priority]
-        classes = (chain.from_iterable(self._sessions.values()), self._group, self._new)[: rank + 1]
-        return any(r.replica_id == replica_id for r in chain.from_iterable(classes))
+        classes = self._classes
+        return bool(classes) and any((replica_id, r) in classes for r in range(_RANK[priority] + 1))
 
     def has_group(self, group_id: str | None) -> bool:
         """Whether a request of GRPO group ``group_id`` waits (False for ``None``)."""
@@ -197,5 +204,7 @@ class AdmissionQueueStore:
                 counts[r.replica_id] += r.requests
         if Counter(r.group_id for r in self.in_order() if r.group_id is not None) != +self._groups:
             raise RuntimeError(f"bug: queued groups {dict(self._groups)} disagree with the queue")
+        if Counter((r.replica_id, _RANK[r.priority]) for r in self.in_order()) != +self._classes:
+            raise RuntimeError(f"bug: queued requests per replica and class {dict(self._classes)} disagree with the queue")
         if +counts != +self._requests:
             raise RuntimeError(f"bug: queued requests per replica {dict(self._requests)} != {dict(counts)}")
