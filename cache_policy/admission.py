@@ -293,6 +293,9 @@ class AdmissionQueue:
 
     def expire(self, now: float) -> list[AdmissionRequest]:
         """Remove and return requests queued longer than ``queue_timeout_s`` (reject them)."""
+        oldest = self._store.oldest_enqueued_at()
+        if oldest is None or not now - oldest > self.cfg.queue_timeout_s:  # then none is (_expired)
+            return []
         gone = [r for r in self._store.in_order() if self._expired(r, now)]
         self._store.remove(gone)
         return gone

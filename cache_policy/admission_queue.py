@@ -102,6 +102,9 @@ class AdmissionQueueStore:
         self._groups: Counter[str] = Counter()
         self._classes: Counter[tuple[str, int]] = Counter()
         """Queued requests per (replica, priority rank): :meth:`has_waiting` on every admission."""
+        self._oldest: float | None = None
+        """The earliest ``enqueued_at`` queued (:meth:`oldest_enqueued_at`), unless ``_oldest_stale``."""
+        self._oldest_stale = False
 
     @property
     def requests_by_replica(self) -> Counter[str]:
@@ -119,6 +122,8 @@ class AdmissionQueueStore:
         if req.group_id is not None:
             self._groups[req.group_id] += 1
         self._classes[req.replica_id, _RANK[req.priority]] += 1
+        if not self._oldest_stale and (self._oldest is None or req.enqueued_at < self._oldest):
+            self._oldest = req.enqueued_at
         if req.priority == "continuing_session":
             assert req.session_id is not None, "bug: continuing request without session"
             self._sessions.setdefault(req.session_id, []).append(req)
@@ -152,6 +157,8 @@ class AdmissionQueueStore:
             self._classes[cls] -= 1
             if not self._classes[cls]:
                 del self._classes[cls]
+            if self._oldest is not None and r.enqueued_at <= self._oldest:
+                self._oldest_stale = True  # the oldest may have left: found again when next asked
         touched = [s for s, q in self._sessions.items() if any(id(r) in gone for r in q)]
         for sid in touched:
             rest = [r for r in self._sessions[sid] if id(r) not in gone]
@@ -186,8 +193,13 @@ class AdmissionQueueStore:
         return None
 
     def oldest_enqueued_at(self) -> float | None:
-        """Earliest ``enqueued_at`` among queued requests, or ``None`` when empty."""
-        return min((r.enqueued_at for r in self.in_order()), default=None)
+        """Earliest ``enqueued_at`` among queued requests, or ``None`` when empty (kept as requests
+        come; looked for again only after the oldest left: the queue's expiry asks on every
+        admission and pump)."""
+        if self._oldest_stale:
+            self._oldest = min((r.enqueued_at for r in self._all()), default=None)
+            self._oldest_stale = False
+        return self._oldest
 
     def check_integrity(self) -> None:
         """Raise ``RuntimeError('bug: ...')`` if an invariant of the class is broken."""
@@ -206,5 +218,7 @@ class AdmissionQueueStore:
             raise RuntimeError(f"bug: queued groups {dict(self._groups)} disagree with the queue")
         if Counter((r.replica_id, _RANK[r.priority]) for r in self.in_order()) != +self._classes:
             raise RuntimeError(f"bug: queued requests per replica and class {dict(self._classes)} disagree with the queue")
+        if self.oldest_enqueued_at() != min((r.enqueued_at for r in self._all()), default=None):
+            raise RuntimeError(f"bug: the oldest queued request is not at {self._oldest}")
         if +counts != +self._requests:
             raise RuntimeError(f"bug: queued requests per replica {dict(self._requests)} != {dict(counts)}")

@@ -267,26 +267,28 @@ def test_a_member_of_a_running_group_is_taken_past_a_blocked_replica() -> None:
 
 _STORE_OPS = st.lists(st.tuples(st.booleans(), st.sampled_from(["r0", "r1", "r2"]),
                                 st.sampled_from(["continuing_session", "group_member", "new"]),
-                                st.sampled_from(["s1", "s2"]), st.integers(0, 30)), max_size=40)
+                                st.sampled_from(["s1", "s2"]), st.integers(0, 30), st.integers(0, 9)), max_size=40)
 
 
 @settings(max_examples=200, deadline=None)
 @given(ops=_STORE_OPS)
 def test_has_waiting_is_a_scan_of_the_queue(ops):
-    """``AdmissionQueueStore.has_waiting`` (per-replica class counts, read on every admission) says
-    what a scan of the queued requests says, after any pushes and removals."""
+    """``AdmissionQueueStore.has_waiting`` (per-replica class counts, read on every admission) and
+    ``oldest_enqueued_at`` (kept as requests come and go, read by every expiry) say what a scan of
+    the queued requests says, after any pushes and removals (arrival times in any order)."""
     from cache_policy.admission_queue import PRIORITIES, AdmissionQueueStore, AdmissionRequest
 
     store, queued = AdmissionQueueStore(), []
-    for push, rid, priority, session, pick in ops:
+    for push, rid, priority, session, pick, at in ops:
         if push or not queued:
             req = AdmissionRequest(rid, priority=priority, session_id=session if priority == "continuing_session" else None,
-                                   group_id="g" if priority == "group_member" else None)
+                                   group_id="g" if priority == "group_member" else None, enqueued_at=float(at))
             store.push(req)
             queued.append(req)
         else:
             store.remove([queued.pop(pick % len(queued))], served=bool(pick % 2))
         store.check_integrity()
+        assert store.oldest_enqueued_at() == min((q.enqueued_at for q in queued), default=None)
         for r in ("r0", "r1", "r2", "r9"):
             for k, p in enumerate(PRIORITIES):
                 want = any(q.replica_id == r and PRIORITIES.index(q.priority) <= k for q in queued)
