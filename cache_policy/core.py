@@ -239,7 +239,7 @@ class DecisionCore:
         rec = self.replicas.get(rid)
         if rec is not None:
             rec.load = load
-            self.admission.ledger.scraped_at[rid] = scrape_started_at
+            self.admission.ledger.scraped(rid, scrape_started_at)
 
     def cache_reset(self, rid: ReplicaId) -> None:
         """``rid``'s prefix cache was emptied (a confirmed reset): predict no hits there; its

@@ -49,6 +49,9 @@ class Ticket(msgspec.Struct, frozen=True):
     group_id: str | None = None
 
 
+_NEVER = float("-inf")
+"""The scrape time of a replica never scraped: every ticket on it is unseen."""
+
 NO_PEER = PeerLoad()
 """The share of a replica no other router reports (zero requests and blocks)."""
 
@@ -69,6 +72,9 @@ class KvLedger:
         self._groups: Counter[tuple[str, ReplicaId]] = Counter()
         """Tickets in flight per ``(group_id, replica)``."""
         self.scraped_at: dict[ReplicaId, float] = {}
+        """When each replica's last scrape began (set by :meth:`scraped`)."""
+        self._unseen: dict[ReplicaId, int] = {}
+        """:meth:`unseen`, kept as tickets come and go and recounted when a scrape begins."""
         self.peers: dict[ReplicaId, PeerLoad] = {}
         """Other routers' shares per replica (``cache_policy.sharing``; empty with one router)."""
 
@@ -77,6 +83,8 @@ class KvLedger:
         self._in_flight.setdefault(ticket.replica_id, {})[ticket.number] = ticket
         self._requests[ticket.replica_id] = self._requests.get(ticket.replica_id, 0) + ticket.requests
         self._blocks[ticket.replica_id] = self._blocks.get(ticket.replica_id, 0) + ticket.blocks
+        if ticket.admitted_at > self.scraped_at.get(ticket.replica_id, _NEVER):
+            self._unseen[ticket.replica_id] = self._unseen.get(ticket.replica_id, 0) + ticket.blocks
         if ticket.group_id is not None:
             self._groups[(ticket.group_id, ticket.replica_id)] += 1
 
@@ -87,6 +95,8 @@ class KvLedger:
             raise RuntimeError(f"bug: ticket {ticket.number} released twice or never admitted")
         self._requests[ticket.replica_id] -= ticket.requests
         self._blocks[ticket.replica_id] -= ticket.blocks
+        if ticket.admitted_at > self.scraped_at.get(ticket.replica_id, _NEVER):
+            self._unseen[ticket.replica_id] -= ticket.blocks
         if ticket.group_id is not None:
             key = (ticket.group_id, ticket.replica_id)
             self._groups[key] -= 1
@@ -116,7 +126,19 @@ class KvLedger:
 
     def unseen(self, rid: ReplicaId) -> int:
         """Blocks of tickets admitted to ``rid`` after its last scrape began."""
-        since = self.scraped_at.get(rid, float("-inf"))
+        return self._unseen.get(rid, 0)
+
+    def scraped(self, rid: ReplicaId, started_at: float | None) -> None:
+        """``rid``'s last scrape began at ``started_at`` (None: never): tickets admitted since are
+        unseen in its usage."""
+        if started_at is None:
+            self.scraped_at.pop(rid, None)
+        else:
+            self.scraped_at[rid] = started_at
+        self._unseen[rid] = self._unseen_of(rid)
+
+    def _unseen_of(self, rid: ReplicaId) -> int:
+        since = self.scraped_at.get(rid, _NEVER)
         return sum(t.blocks for t in self._in_flight.get(rid, {}).values() if t.admitted_at > since)
 
     def peer(self, rid: ReplicaId) -> PeerLoad:
@@ -125,7 +147,7 @@ class KvLedger:
 
     def forget_replica(self, rid: ReplicaId) -> None:
         """``rid`` left: its tickets are released by their requests, its scrape time goes."""
-        self.scraped_at.pop(rid, None)
+        self.scraped(rid, None)
         self.peers.pop(rid, None)
 
     def check_integrity(self) -> None:
@@ -135,6 +157,8 @@ class KvLedger:
                 raise RuntimeError(f"bug: request count of {rid} disagrees with its tickets")
             if sum(t.blocks for t in held.values()) != self._blocks.get(rid, 0):
                 raise RuntimeError(f"bug: committed blocks of {rid} disagree with its tickets")
+            if self._unseen_of(rid) != self._unseen.get(rid, 0):
+                raise RuntimeError(f"bug: unseen blocks of {rid} disagree with its tickets")
         groups = Counter((t.group_id, t.replica_id) for held in self._in_flight.values()
                          for t in held.values() if t.group_id is not None)
         if groups != +self._groups:
