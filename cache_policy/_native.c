@@ -467,17 +467,18 @@ name_is(const unsigned char *s, Py_ssize_t n, const char *lower)
 
 static const char LANE_REQUEST_LINE[] = "POST /v1/completions HTTP/1.1";
 
-/* The items of ``hashes`` (a list or tuple of block hashes, borrowed) and their count; -1 with a
+/* The items of ``hashes`` (a tuple of block hashes: immutable, so the items stay put while a
+   key's __eq__ runs; a list could be resized under the walk) and their count; -1 with a
    TypeError naming ``fn`` for anything else. */
 static int
 block_hash_items(PyObject *hashes, const char *fn, PyObject ***items, Py_ssize_t *n)
 {
-    if (!PyList_Check(hashes) && !PyTuple_Check(hashes)) {
-        PyErr_Format(PyExc_TypeError, "%s: hashes must be a list or tuple", fn);
+    if (!PyTuple_Check(hashes)) {
+        PyErr_Format(PyExc_TypeError, "%s: hashes must be a tuple", fn);
         return -1;
     }
     *items = PySequence_Fast_ITEMS(hashes);
-    *n = PySequence_Fast_GET_SIZE(hashes);
+    *n = PyTuple_GET_SIZE(hashes);
     return 0;
 }
 
@@ -494,7 +495,7 @@ entry_holds(PyObject *entry, PyObject *replica)
 
 PyDoc_STRVAR(held_run_doc,
 "held_run(entries, hashes, start, replica, /)\n--\n\n"
-"The first index ``i >= start`` of ``hashes`` (a list or tuple of block hashes) whose entry in\n"
+"The first index ``i >= start`` of ``hashes`` (a tuple of block hashes) whose entry in\n"
 "``entries`` (a dict: hash -> replica id, or -> dict of replica ids) is missing or does not name\n"
 "``replica``; ``len(hashes)`` when every one from ``start`` on does. The one-holder walk of\n"
 "``cache_policy.prefix_index.PrefixIndex.match`` (``_held_run_py`` there is its Python reference).");
@@ -651,6 +652,10 @@ insert_run(PyObject *module, PyObject *args)
     if (!PyArg_ParseTuple(args, "O!OU:insert_run", &PyDict_Type, &entries, &hashes, &replica)) {
         return NULL;
     }
+    if (!PyUnicode_CheckExact(replica)) {  /* a str subclass's __eq__ could run mid-walk */
+        PyErr_SetString(PyExc_TypeError, "insert_run: replica must be a str");
+        return NULL;
+    }
     PyObject **items;
     Py_ssize_t n;
     if (block_hash_items(hashes, "insert_run", &items, &n) < 0) return NULL;
@@ -664,13 +669,16 @@ insert_run(PyObject *module, PyObject *args)
             added++;
             continue;
         }
+        Py_INCREF(entry);  /* ours before anything else runs: it moves out and in again */
         if (entry != replica) {
-            if (!PyUnicode_CheckExact(entry)) break;
-            int same = PyObject_RichCompareBool(entry, replica, Py_EQ);
-            if (same < 0) return NULL;
-            if (!same) break;
+            int same = PyUnicode_CheckExact(entry) ? PyObject_RichCompareBool(entry, replica, Py_EQ) : 0;
+            if (same <= 0) {
+                Py_DECREF(entry);
+                if (same < 0) return NULL;
+                break;
+            }
         }
-        Py_INCREF(entry);  /* to the most recently used end: out, and in again */
+        /* to the most recently used end */
         if (PyDict_DelItem(entries, h) < 0 || PyDict_SetItem(entries, h, entry) < 0) {
             Py_DECREF(entry);
             return NULL;

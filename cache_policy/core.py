@@ -415,10 +415,13 @@ class DecisionCore:
 
     def admit(self, job: Job, now: float) -> Admission:
         """Ask for room on the placed replica: admit (``job.ticket``), queue or reject (the job
-        is then finished: un-indexed and unpinned)."""
+        is then finished: un-indexed and unpinned); ``replica_gone`` when that replica left since
+        :meth:`place` (the job is unplaced: place it again)."""
         self._settle_holds()
         assert job.decision is not None, "bug: admit() before place()"
         rid = job.decision.replica_id
+        if rid not in self.replicas:  # it left since place (a router awaiting Redis between them)
+            return self._replica_gone(job, rid)
         total = self._footprint(job)
         request = self.admission.request(rid, total, job.decision.matched_blocks, job.spec.session_id,
                                          job.spec.group_id, job.spec.fan_out, now, str(job.id),
@@ -765,12 +768,17 @@ class DecisionCore:
         for request in self.admission.queue.drop_replica(rid):
             job = self._jobs.pop(request.request_id)
             job.queued = None
-            self.policy.on_finished(job.view, rid)
-            self._undo(job)
-            job.tried.append(rid)
-            job.decision = None
-            job.admission = Admission("replica_gone", f"replica {rid} left rotation")
-            self._outbox.append((job, job.admission))
+            self._outbox.append((job, self._replica_gone(job, rid)))
+
+    def _replica_gone(self, job: Job, rid: ReplicaId) -> Admission:
+        """``job``, placed on ``rid`` and not sent, loses it (it left): unrouted, to be placed
+        again elsewhere (``replica_gone``)."""
+        self.policy.on_finished(job.view, rid)
+        self._undo(job)
+        job.tried.append(rid)
+        job.decision = None
+        job.admission = Admission("replica_gone", f"replica {rid} left rotation")
+        return job.admission
 
     def _sweep(self, now: float) -> None:
         """Expire idle key records, at most once per second of ``now``."""

@@ -82,7 +82,7 @@ class FreeQueueModel:
         q = self._replicas.get(rid)
         if q is None:
             q = self._replicas[rid] = _ReplicaQueue()
-        if NATIVE is not None and hashes.__class__ in (tuple, list):
+        if NATIVE is not None and hashes.__class__ is tuple:
             taken = NATIVE.taken_run(q.refs, q.stamps, q.old, hashes)
         else:
             taken = _taken_py(q, hashes)
@@ -141,7 +141,7 @@ class FreeQueueModel:
         q = self._replicas.get(rid)
         if q is None:
             return 0
-        if NATIVE is not None and hashes.__class__ in (tuple, list):  # one C pass: a hit is ~250 blocks
+        if NATIVE is not None and hashes.__class__ is tuple:  # one C pass: a hit is ~250 blocks
             return NATIVE.surviving_run(q.refs, q.stamps, q.old, hashes, matched, q.freed, free_final)
         return _surviving_py(q, hashes, matched, free_final)
 

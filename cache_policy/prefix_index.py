@@ -52,8 +52,9 @@ def _held_run_py(entries: dict, hashes: Sequence[BlockHash], start: int, replica
 
 
 def _held_run(entries: dict, hashes: Sequence[BlockHash], start: int, replica: ReplicaId) -> int:
-    """:func:`_held_run_py`, in C when the extension is built and ``hashes`` a list or tuple."""
-    if NATIVE is not None and hashes.__class__ in (tuple, list):
+    """:func:`_held_run_py`, in C when the extension is built and ``hashes`` is a tuple (a
+    request's block hashes)."""
+    if NATIVE is not None and hashes.__class__ is tuple:
         return NATIVE.held_run(entries, hashes, start, replica)
     return _held_run_py(entries, hashes, start, replica)
 
@@ -187,7 +188,7 @@ class PrefixIndex:
                 entries.update(zip(last_first, itertools.repeat(replica)))
             added = len(entries) - before  # not len(hashes): a hash repeated in ``hashes`` is one entry
             hashes = ()
-        if hashes and compact and NATIVE is not None and hashes.__class__ in (tuple, list):
+        if hashes and compact and NATIVE is not None and hashes.__class__ is tuple:
             stop, new = NATIVE.insert_run(entries, hashes, replica)  # a hit's blocks it alone holds, in C,
             added += new  # up to the first block another replica holds too (the loop below goes on there)
             hashes = hashes[:stop + 1]

@@ -90,7 +90,7 @@ class KeyRegistry:
         rec = self._records.get((kind, key))
         if rec is None:
             rec = self._records[(kind, key)] = KeyRecord()
-            self._evict()
+            self._evict(keep=(kind, key))  # never the record asked for (when every other is in flight)
         self._records.move_to_end((kind, key))
         rec.touched = self._now
         return rec
@@ -128,6 +128,8 @@ class KeyRegistry:
         if rec.replica == replica:
             rec.own_in_flight = max(0, rec.own_in_flight - count)
         rec.own_in_flight = min(rec.own_in_flight, rec.in_flight)
+        if not rec.in_flight and len(self._records) > self.max_keys:  # over the bound while all were in flight
+            self._evict()
 
     def unpin(self, kind: KeyKind, key: str, replica: ReplicaId) -> None:
         """Undo the pin of ``key`` to ``replica`` (a refused first request), if it is that one."""
@@ -272,10 +274,10 @@ class KeyRegistry:
                 self._parked_order.pop(rid, None)
             rec.parked = None
 
-    def _evict(self) -> None:
-        """Past ``max_keys``, drop least recently used records, idle ones first."""
+    def _evict(self, keep: tuple[KeyKind, str] | None = None) -> None:
+        """Past ``max_keys``, drop least recently used records, idle ones first (never ``keep``)."""
         while len(self._records) > self.max_keys:
-            victim = next((k for k, r in self._records.items() if r.in_flight == 0), None)
+            victim = next((k for k, r in self._records.items() if r.in_flight == 0 and k != keep), None)
             if victim is None:
                 return  # everything is in flight: over the bound until some finish
             self._unpark(self._records.pop(victim))

@@ -206,6 +206,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
             p.error(f"--rust {name!r}: one of {', '.join(by_name)}")
     if args.turns < 1 or args.tokens < 4 * args.turns:
         p.error("--turns must be >= 1 and --tokens at least 4x --turns")
+    if args.requests < 1 or args.seed < 0:
+        p.error("--requests must be >= 1 and --seed >= 0")
     for c in args.checkouts:
         if not (c / "router" / "__main__.py").is_file():
             p.error(f"{c} does not hold this repository (no router/__main__.py)")

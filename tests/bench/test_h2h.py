@@ -164,6 +164,10 @@ def test_ab_takes_only_rust_routers_that_read_token_ids(capsys):
         with pytest.raises(SystemExit) as exc:
             main([str(ROOT), "--rust", name])
         assert exc.value.code == 2 and "vllm-router round_robin" in capsys.readouterr().err
+    for bad in (["--requests", "0"], ["--seed", "-1"], ["--turns", "0"], ["--turns", "5", "--tokens", "10"]):
+        with pytest.raises(SystemExit) as exc:  # a usage error, not a traceback (a fresh user's finding)
+            main([str(ROOT), *bad])
+        assert exc.value.code == 2 and bad[0] in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("refusals, ok, retries, errors", [(2, 1, 2, {}), (3, 0, 2, {"429": 1}), (0, 1, 0, {})])

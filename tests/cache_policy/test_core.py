@@ -339,3 +339,42 @@ def test_the_bookkeeping_settle_defers_reads_exactly_as_if_done_at_once(ops):
     a, b = (core.free_queue._replicas for core in cores)
     assert {r: (+q.refs, q.all_stamps(), q.freed) for r, q in a.items()} == {r: (+q.refs, q.all_stamps(), q.freed) for r, q in b.items()}
     assert cores[0].admission._touched == cores[1].admission._touched
+
+
+def test_a_replica_that_leaves_between_place_and_admit_sends_the_job_back_to_placement():
+    """A router with shared state awaits Redis between ``place`` and ``admit``; the replica may
+    leave meanwhile: ``admit`` answers ``replica_gone`` (no KeyError), the job is unplaced, and
+    placed again it goes to the other replica and is admitted (a fresh attacker's report)."""
+    core = DecisionCore(PolicyConfig())
+    for rid in R[:2]:
+        core.add_replica(rid, block_size=16, num_gpu_blocks=100)
+    job = core.open(RequestSpec(list(range(40)), session_id="s", new_tokens=4), 0.0)
+    first = core.place(job, 0.0).replica_id
+    core.remove_replica(first, 0.0)
+    adm = core.admit(job, 0.0)
+    assert adm.verdict == "replica_gone" and job.decision is None and job.tried == [first]
+    core.check_integrity()
+    again = core.place(job, 0.0)
+    assert again is not None and again.replica_id != first
+    assert core.admit(job, 0.0).verdict == "admit"
+    core.settle()
+    core.finish(job, "ok", 0.0)
+    core.check_integrity()
+    assert all(core.in_flight(r) == 0 for r in core.replicas)
+
+
+def test_a_new_key_when_every_pinned_key_is_in_flight_goes_over_the_bound_not_to_a_500():
+    """``max_pins`` records, all in flight: a new session's record is kept past the bound (the
+    registry evicts idle records only) instead of being evicted as it is made, which raised a
+    KeyError out of ``open`` (a fresh attacker's report)."""
+    core = DecisionCore(PolicyConfig(max_pins=1))
+    core.add_replica(R[0], block_size=16, num_gpu_blocks=100)
+    first = core.open(RequestSpec(list(range(40)), session_id="s1", new_tokens=4), 0.0)
+    core.place(first, 0.0)
+    assert core.admit(first, 0.0).verdict == "admit"
+    second = core.open(RequestSpec(list(range(40)), session_id="s2", new_tokens=4), 0.1)
+    assert core.place(second, 0.1) is not None and core.admit(second, 0.1).verdict == "admit"
+    core.settle()
+    for job in (first, second):
+        core.finish(job, "ok", 0.2)
+    core.check_integrity()
