@@ -119,7 +119,7 @@ class WeightUpdater:
             if not targets:
                 self.core.finish_update(upd.req.version, upd.req.policy)  # type: ignore[arg-type]
             upd.phase = "done"
-            return self.report(upd)
+            return self._final_report(upd)
         finally:
             await self._end(upd)
 
@@ -176,7 +176,7 @@ class WeightUpdater:
                     await self._rescue(rid, rec, exc)
             await asyncio.gather(*(one(rid, rec) for rid, rec in upd.replicas.items() if rec.phase == "paused"))
             upd.phase = phase
-            return self.report(upd)
+            return self._final_report(upd)
         finally:
             await self._end(upd)
 
@@ -236,8 +236,14 @@ class WeightUpdater:
         if shared is not None and self._owner is not None:
             await shared.refresh_update_lock(self._owner, LOCK_TTL_S)
 
-    async def _end(self, upd: Update) -> None:
+    def _final_report(self, upd: Update) -> dict[str, Any]:
+        """``upd``'s report as it ended: its duration fixed now, so a repeated commit (or abort)
+        answers the very same report (the CI once saw 0.705 then 0.704 s)."""
         upd.seconds = time.monotonic() - upd.started
+        return self.report(upd)
+
+    async def _end(self, upd: Update) -> None:
+        upd.seconds = upd.seconds or time.monotonic() - upd.started
         upd.ended.set()
         if self.active is upd:
             self.active, self.last = None, upd
