@@ -2,9 +2,11 @@
 
 A change meant to make the router faster is measured against the commit before it in one run:
 each checkout's ``rollout-router serve`` fronts the same zero-cost simulated replica
-(``bench.h2h.replicas_main --cost zero``), next to three floors (:data:`FLOORS`): the aiohttp
-pass-through (``bench.h2h.passthrough``), the same server posting through ours' replica client, and
-the bare-protocol floor under both (``bench.h2h.bare``: uvloop and httptools, no framework); every prompt (``--tokens`` random token IDs) goes directly and
+(``bench.h2h.replicas_main --cost zero``), next to five floors (:data:`FLOORS`): the aiohttp
+pass-through (``bench.h2h.passthrough``), the same server posting through ours' replica client,
+the bare-protocol floor under both (``bench.h2h.bare``: uvloop and httptools, no framework), and
+that floor with the router's token-ID read, then also its decision core, on the critical path
+(``bench.h2h.bare --split`` / ``--core``); every prompt (``--tokens`` random token IDs) goes directly and
 through each router in turn, in a fresh random order each round, so the machine's drift hits all alike.
 Prints per router the added latency (p50 and p99 of routed minus direct, ms) and its CPU per
 request (user + system of its process, all threads, ms). A checkout is a folder with this
@@ -59,10 +61,14 @@ FLOORS = {
     "passthrough": ("aiohttp pass-through", "bench.h2h.passthrough", []),
     "passthrough-lean": ("aiohttp server + lean client", "bench.h2h.passthrough", ["--client", "lean"]),
     "bare": ("bare uvloop + httptools pass-through", "bench.h2h.bare", []),
+    "bare-split": ("bare + token-ID read", "bench.h2h.bare", ["--split"]),
+    "bare-core": ("bare + token-ID read + decision core", "bench.h2h.bare", ["--core"]),
 }
-"""The pass-throughs measured beside the checkouts: row name, module, extra arguments. The middle
-one is the aiohttp server with ours' replica client (``router.upstream``): ours minus it is what
-the router's own work costs; it minus ``bare`` is what the server framework costs."""
+"""The pass-throughs measured beside the checkouts: row name, module, extra arguments. The second
+is the aiohttp server with ours' replica client (``router.upstream``): it minus ``bare`` is what
+the server framework costs. The last two add the router's own work to ``bare`` a piece at a time:
+the token-ID read, then the decision core; ours minus ``bare-core`` is everything else (HTTP
+semantics and validation, the lifecycle, the answer's annotation)."""
 
 
 _RUST = [s for s in ALL if s.kind == "vllm"]

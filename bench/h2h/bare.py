@@ -6,7 +6,14 @@ one measures what a Python proxy costs at all: uvloop, ``httptools`` parsing bot
 answers ``POST`` with the upstream's status and body and nothing else (no error handling past
 closing the connection, no timeouts): a measuring stick for ``bench.h2h.ab``, never a server.
 
-    python -m bench.h2h.bare --port 8100 http://127.0.0.1:8001
+``--split`` adds the router's token-ID read of each body (``router.token_ids.split_ids``: the
+prompt packed as uint32, the rest kept as bytes) and ``--core`` the decision core on top (one
+replica: ``DecisionCore.open``, ``place``, ``admit`` before the send; ``settle`` right after it and
+``finish`` after the answer, as the router runs them). The three rows in ``bench.h2h.ab`` split a
+router's added latency into the Python floor, the token read, the decision and the rest (HTTP
+semantics, validation, the lifecycle, the answer's annotation).
+
+    python -m bench.h2h.bare --port 8100 http://127.0.0.1:8001 [--split | --core]
 """
 
 from __future__ import annotations
@@ -17,6 +24,10 @@ import asyncio
 import httptools
 import uvloop
 from yarl import URL
+
+from cache_policy.config import PolicyConfig
+from cache_policy.core import DecisionCore, RequestSpec
+from router.token_ids import split_ids
 
 
 class _Upstream(asyncio.Protocol):
@@ -46,9 +57,9 @@ class _Upstream(asyncio.Protocol):
 
 
 class _Front(asyncio.Protocol):
-    def __init__(self, upstream: URL, idle: list[_Upstream]) -> None:
+    def __init__(self, upstream: URL, idle: list[_Upstream], work: str | None, core: DecisionCore | None) -> None:
         self.parser = httptools.HttpRequestParser(self)
-        self.upstream, self.idle = upstream, idle
+        self.upstream, self.idle, self.work, self.core = upstream, idle, work, core
         self.transport: asyncio.Transport | None = None
         self.url = b"/"
         self.body: list[bytes] = []
@@ -74,6 +85,20 @@ class _Front(asyncio.Protocol):
 
     async def _forward(self, url: bytes, body: bytes) -> None:
         loop = asyncio.get_running_loop()
+        job = None
+        if self.work is not None:
+            split = split_ids(body, "prompt")
+            if split is None:
+                self.transport.close()  # not a token-ID prompt: outside this floor
+                return
+            if self.core is not None:
+                now = loop.time()
+                job = self.core.open(RequestSpec(split.ids, None, None, None, None, "generate", 1), now)
+                self.core.place(job, now)
+                if self.core.admit(job, now).verdict != "admit":
+                    self.transport.close()
+                    return
+                loop.call_soon(self.core.settle)  # runs once the request is written, as in the router
         try:
             if self.idle:
                 up = self.idle.pop()
@@ -84,6 +109,9 @@ class _Front(asyncio.Protocol):
                                b"Content-Length: %d\r\n\r\n" % (url, self.upstream.host.encode(), len(body)) + body)
             status, answer = await up.waiter
             self.idle.append(up)
+            if job is not None:
+                job.generated_tokens = 1
+                loop.call_soon(self.core.finish, job, "ok", loop.time())
         except (ConnectionError, OSError):
             self.transport.close()
             return
@@ -91,10 +119,16 @@ class _Front(asyncio.Protocol):
                              % (status, len(answer)) + answer)
 
 
-async def serve(port: int, upstream: str) -> None:
-    """Serve on ``127.0.0.1:port`` until cancelled."""
+async def serve(port: int, upstream: str, work: str | None = None, core: DecisionCore | None = None) -> None:
+    """Serve on ``127.0.0.1:port`` until cancelled; ``work``: None, ``"split"`` or ``"core"`` (see
+    the module's docstring); ``core``: the decision core to run (default: one with a replica
+    ``r0`` of 4,096 blocks of 16 tokens, as ``bench.h2h.ab``'s replica)."""
     idle: list[_Upstream] = []
-    server = await asyncio.get_running_loop().create_server(lambda: _Front(URL(upstream), idle), "127.0.0.1", port)
+    if work == "core" and core is None:
+        core = DecisionCore(PolicyConfig())
+        core.add_replica("r0", block_size=16, num_gpu_blocks=4096)  # bench.h2h.ab's replica
+    server = await asyncio.get_running_loop().create_server(lambda: _Front(URL(upstream), idle, work, core),
+                                                            "127.0.0.1", port)
     async with server:
         await server.serve_forever()
 
@@ -103,9 +137,14 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.h2h.bare", description=__doc__.split("\n\n")[0])
     p.add_argument("--port", type=int, required=True)
     p.add_argument("upstream", help="the replica's base URL")
+    work = p.add_mutually_exclusive_group()
+    work.add_argument("--split", dest="work", action="store_const", const="split",
+                      help="read each token-ID prompt as the router does")
+    work.add_argument("--core", dest="work", action="store_const", const="core",
+                      help="read it and run the decision core on it (open, place, admit)")
     args = p.parse_args(argv)
     try:
-        uvloop.run(serve(args.port, args.upstream.rstrip("/")))
+        uvloop.run(serve(args.port, args.upstream.rstrip("/"), args.work))
     except KeyboardInterrupt:
         pass
 

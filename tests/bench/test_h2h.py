@@ -113,14 +113,16 @@ def test_top_frames_shares():
 
 
 def test_ab_measures_a_checkout_beside_the_pass_through_floor():
-    """``bench.h2h.ab`` on this checkout: its router and the three floors each answered every prompt
-    (a non-200 raises) and their processes spent CPU on them; the floors add nothing but HTTP."""
+    """``bench.h2h.ab`` on this checkout: its router and the five floors each answered every prompt
+    (a non-200 raises; the token-ID and decision-core floors close the connection on a prompt they
+    cannot read or admit) and their processes spent CPU on them."""
     from bench.h2h.ab import run
     from bench.h2h.routers import ROOT
 
     result = asyncio.run(run([ROOT], requests=100, tokens=300, seed=1, warmup=3))  # CPU is read in 10 ms ticks
     assert list(result) == [f"1: {ROOT}", "aiohttp pass-through", "aiohttp server + lean client",
-                            "bare uvloop + httptools pass-through"]
+                            "bare uvloop + httptools pass-through", "bare + token-ID read",
+                            "bare + token-ID read + decision core"]
     for row in result.values():
         assert row["cpu_ms_per_request"] > 0 and row["direct_p50_ms"] > 0
 
@@ -200,3 +202,54 @@ def test_the_drive_retries_429_after_retry_after_as_the_openai_sdk_does(refusals
     sink, seen = asyncio.run(go())
     assert (sink.ok, sink.retries, sink.errors) == (ok, retries, errors)
     assert len(seen) == min(refusals, 2) + 1 and all(body == seen[0] for body in seen)
+
+
+def test_bare_core_floor_decides_each_token_id_prompt():
+    """``bench.h2h.bare --core`` runs the decision core on every prompt it forwards: after two
+    requests the core's prefix index holds the first prompt's blocks (hashed here independently)
+    on its one replica, both jobs finished (nothing in flight); a text prompt is not forwarded."""
+    from aiohttp import web
+
+    from bench.h2h.bare import serve as serve_bare
+    from bench.h2h.routers import free_port
+    from cache_policy.config import PolicyConfig
+    from cache_policy.core import DecisionCore
+    from cache_policy.hashing import block_hashes
+
+    async def main():
+        seen = []
+
+        async def upstream(request):
+            seen.append(await request.json())
+            return web.json_response({"choices": [{"text": "x"}]})
+
+        app = web.Application()
+        app.router.add_post("/v1/completions", upstream)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        up_port, port = free_port(), free_port()
+        await web.TCPSite(runner, "127.0.0.1", up_port).start()
+        core = DecisionCore(PolicyConfig())
+        core.add_replica("r0", block_size=16, num_gpu_blocks=64)
+        server = asyncio.create_task(serve_bare(port, f"http://127.0.0.1:{up_port}", "core", core))
+        await asyncio.sleep(0.2)
+        ids = list(range(100, 164))  # 4 blocks
+        try:
+            async with aiohttp.ClientSession() as http:
+                for prompt in (ids, ids + [7] * 16):
+                    async with http.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": prompt}) as r:
+                        assert r.status == 200 and await r.json() == {"choices": [{"text": "x"}]}
+                with pytest.raises(aiohttp.ClientError):
+                    async with http.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "text"}) as r:
+                        await r.read()
+            await asyncio.sleep(0.05)
+            assert [b["prompt"] for b in seen] == [ids, ids + [7] * 16]
+            core.settle()
+            # the default policy salts every request with the loaded version (0): "rr:v0"
+            assert core.prefix_index().match(tuple(block_hashes(ids, 16, "rr:v0")), touch=False) == {"r0": 4}
+            assert core.in_flight("r0") == 0
+        finally:
+            server.cancel()
+            await runner.cleanup()
+
+    asyncio.run(main())
