@@ -68,10 +68,10 @@ class PrefixAffinityPolicy:
         if not candidates:
             return None
         matched = self.index.match(request.block_hashes, touch=False)  # on_routed's insert touches them
-        by_id = {r.replica_id: r for r in replicas}
-        pinned = self._from_pins(request, by_id, candidates, matched)
-        if pinned is not None:
-            return pinned
+        if request.session_id is not None or request.group_id is not None:
+            pinned = self._from_pins(request, {r.replica_id: r for r in replicas}, candidates, matched)
+            if pinned is not None:
+                return pinned
         return self._from_prefix_or_load(request, candidates, matched)
 
     def on_routed(self, request: RequestView, decision: Decision) -> None:
@@ -168,6 +168,8 @@ class PrefixAffinityPolicy:
         matched: Mapping[ReplicaId, int],
     ) -> Decision:
         n_blocks = len(request.block_hashes)
+        if not matched:  # a new prompt: held nowhere (the common case, and the whole scan at 1,024 replicas)
+            return _decide(least_loaded(candidates, self.rng, self.routed), RouteReason.LOAD, matched)
         best = longest_prefix(candidates, matched, self.rng)
         hit = matched.get(best.replica_id, 0)
         if hit == 0 or hit < self.cfg.cache_threshold * n_blocks:

@@ -387,7 +387,9 @@ class DecisionCore:
         assert job.decision is None and not job.done, "bug: place() on a placed or finished job"
         self.registry.advance(now)
         self._settle_version(job)
-        candidates = [v for v in self._candidates(job) if only is None or v.replica_id == only]
+        candidates = self._candidates(job)
+        if only is not None:
+            candidates = [v for v in candidates if v.replica_id == only]
         decision = self.policy.select(job.view, candidates)
         if decision is None:
             return None
@@ -678,6 +680,7 @@ class DecisionCore:
         self.registry.check_integrity()
         self.policy.check_integrity()
         self.free_queue.check_integrity()
+        self.versions.check_integrity()
         queued = {r.request_id for r in self.admission.queue.waiting()}
         if queued != set(self._jobs):
             raise RuntimeError(f"bug: queued requests {sorted(queued)} != queued jobs {sorted(self._jobs)}")

@@ -145,8 +145,7 @@ def unconfirmed(book: VersionBook) -> None:
     salted with a guess (a request's own ``weight_version`` still names its salt)."""
     book.current = None
     book.history.clear()  # a tagged request resolves to its own version, not to a stale one
-    for rid in list(book.loaded):
-        book.loaded[rid] = None
+    book.forget_loaded()
 
 
 def rendezvous(key: str, replicas: Iterable[ReplicaId]) -> ReplicaId | None:

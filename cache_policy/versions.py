@@ -80,6 +80,11 @@ class VersionBook:
         self.initial = initial_version
         self.history: list[int] = [] if initial_version is None else [initial_version]
         self.loaded: dict[ReplicaId, int | None] = {}
+        """Each replica's loaded version (None: unknown); written by :meth:`set_loaded`,
+        :meth:`forget_replica` and :meth:`forget_loaded` only (they keep ``_on_version``)."""
+        self._on_version: dict[int | None, int] = {}
+        """How many replicas of ``loaded`` serve each version: :meth:`excluded` skips its scan
+        when every replica serves the request's version (at 1,024 replicas the scan was ~0.1 ms)."""
         self._log: dict[ReplicaId, list[int]] = {}
         self.rotation: dict[ReplicaId, str] = {}
         self._cached: dict[ReplicaId, list[int]] = {}
@@ -152,7 +157,9 @@ class VersionBook:
 
     def set_loaded(self, rid: ReplicaId, version: int | None) -> None:
         """Record that ``rid`` now serves ``version`` (None: unknown)."""
+        self._count_out(rid)
         self.loaded[rid] = version
+        self._on_version[version] = self._on_version.get(version, 0) + 1
         log = self._log.setdefault(rid, [])
         if version is not None and (not log or log[-1] != version):
             log.append(version)
@@ -180,10 +187,34 @@ class VersionBook:
 
     def forget_replica(self, rid: ReplicaId) -> None:
         """``rid`` left the fleet."""
+        self._count_out(rid)
         self.loaded.pop(rid, None)
         self._log.pop(rid, None)
         self._cached.pop(rid, None)
         self.rotation.pop(rid, None)
+
+    def forget_loaded(self) -> None:
+        """Every replica's version is unknown from now on (``cache_policy.sharing.unconfirmed``)."""
+        for rid in self.loaded:
+            self.loaded[rid] = None
+        self._on_version = {None: len(self.loaded)} if self.loaded else {}
+
+    def _count_out(self, rid: ReplicaId) -> None:
+        if rid in self.loaded:
+            old = self.loaded[rid]
+            left = self._on_version[old] - 1
+            if left:
+                self._on_version[old] = left
+            else:
+                del self._on_version[old]
+
+    def check_integrity(self) -> None:
+        """Raise ``RuntimeError('bug: ...')`` if the per-version counts disagree with ``loaded``."""
+        counts: dict[int | None, int] = {}
+        for version in self.loaded.values():
+            counts[version] = counts.get(version, 0) + 1
+        if counts != self._on_version:
+            raise RuntimeError(f"bug: replicas per version {self._on_version} != {counts} in loaded")
 
     # -- rotation -----------------------------------------------------------------------------
 
@@ -195,7 +226,7 @@ class VersionBook:
         ``DecisionCore.place``). ``healthy``: the healthy replica ids (unused by the rule now,
         kept for callers)."""
         out = set(self.rotation)
-        if choice.pins_version:
+        if choice.pins_version and self._on_version.get(choice.version, 0) != len(self.loaded):
             out |= {r for r, v in self.loaded.items() if v != choice.version}
         return out
 

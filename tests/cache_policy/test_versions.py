@@ -146,3 +146,42 @@ def test_choice_for_and_staleness():
     assert (again.salt, again.version, again.salt_version) == ("rr:v5|t=t", 5, 5) and again.pins_version
     assert not b.v.too_stale(2, None)  # off by default
     assert not b.v.too_stale(3, 2) and b.v.too_stale(2, 2) and not b.v.too_stale(None, 0)
+
+
+def test_excluded_equals_the_scan_under_any_loaded_history():
+    """``excluded`` skips its scan of ``loaded`` when every replica serves the request's version
+    (the per-version counts): under generated histories of loads, departures and forgotten
+    versions its answer equals the plain scan, and the counts equal a recount (``check_integrity``)."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from cache_policy.sharing import unconfirmed
+    from cache_policy.versions import SaltChoice
+
+    rids = [ReplicaId(f"replica-{i}") for i in range(4)]
+    op = st.one_of(st.tuples(st.just("load"), st.sampled_from(rids), st.sampled_from([None, 0, 1, 2])),
+                   st.tuples(st.just("leave"), st.sampled_from(rids), st.none()),
+                   st.tuples(st.just("forget"), st.none(), st.none()),
+                   st.tuples(st.just("rotate"), st.sampled_from(rids), st.none()))
+
+    @settings(max_examples=300, deadline=None)
+    @given(st.lists(op, max_size=30), st.sampled_from([None, 0, 1, 2]))
+    def run(ops, version):
+        book = VersionBook("salt", 0)
+        for kind, rid, v in ops:
+            if kind == "load":
+                book.set_loaded(rid, v)
+            elif kind == "leave":
+                book.forget_replica(rid)
+            elif kind == "forget":
+                unconfirmed(book)
+            else:
+                book.rotation[rid] = "updating"
+            book.check_integrity()
+            for choice in (SaltChoice(None, version, version), SaltChoice("x", version, None)):
+                want = set(book.rotation)
+                if choice.pins_version:
+                    want |= {r for r, lv in book.loaded.items() if lv != version}
+                assert book.excluded(choice, []) == want
+
+    run()
