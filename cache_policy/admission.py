@@ -177,6 +177,12 @@ class AdmissionQueue:
         """Engine requests queued per replica (a fan-out counts K; read-only)."""
         return self._store.requests_by_replica
 
+    @property
+    def changed(self) -> set[ReplicaId]:
+        """Replicas whose :attr:`requests_by_replica` changed since the core last rebuilt their
+        views (``DecisionCore._views_of`` empties it)."""
+        return self._store.changed
+
     def has_group(self, group_id: str | None) -> bool:
         """Whether a request of GRPO group ``group_id`` waits."""
         return self._store.has_group(group_id)

@@ -105,6 +105,9 @@ class AdmissionQueueStore:
         self._oldest: float | None = None
         """The earliest ``enqueued_at`` queued (:meth:`oldest_enqueued_at`), unless ``_oldest_stale``."""
         self._oldest_stale = False
+        self.changed: set[str] = set()
+        """Replicas whose queued count changed since the core last rebuilt their views
+        (``DecisionCore._views_of``); the core empties it."""
 
     @property
     def requests_by_replica(self) -> Counter[str]:
@@ -119,6 +122,7 @@ class AdmissionQueueStore:
         """Queue ``req`` at the back of its class (its session's list for sessions)."""
         if not req.opens_session:
             self._requests[req.replica_id] += req.requests
+            self.changed.add(req.replica_id)
         if req.group_id is not None:
             self._groups[req.group_id] += 1
         self._classes[req.replica_id, _RANK[req.priority]] += 1
@@ -146,6 +150,7 @@ class AdmissionQueueStore:
         present = [r for r in self._all() if id(r) in gone]
         for r in present:
             if not r.opens_session:
+                self.changed.add(r.replica_id)
                 self._requests[r.replica_id] -= r.requests
                 if not self._requests[r.replica_id]:
                     del self._requests[r.replica_id]

@@ -77,11 +77,15 @@ class KvLedger:
         """:meth:`unseen`, kept as tickets come and go and recounted when a scrape begins."""
         self.peers: dict[ReplicaId, PeerLoad] = {}
         """Other routers' shares per replica (``cache_policy.sharing``; empty with one router)."""
+        self.changed: set[ReplicaId] = set()
+        """Replicas whose request count changed since the core last rebuilt their views
+        (``DecisionCore._views_of``); the core empties it."""
 
     def admit(self, ticket: Ticket) -> None:
         """Count ``ticket`` against its replica."""
         self._in_flight.setdefault(ticket.replica_id, {})[ticket.number] = ticket
         self._requests[ticket.replica_id] = self._requests.get(ticket.replica_id, 0) + ticket.requests
+        self.changed.add(ticket.replica_id)
         self._blocks[ticket.replica_id] = self._blocks.get(ticket.replica_id, 0) + ticket.blocks
         if ticket.admitted_at > self.scraped_at.get(ticket.replica_id, _NEVER):
             self._unseen[ticket.replica_id] = self._unseen.get(ticket.replica_id, 0) + ticket.blocks
@@ -94,6 +98,7 @@ class KvLedger:
         if held.pop(ticket.number, None) is None:
             raise RuntimeError(f"bug: ticket {ticket.number} released twice or never admitted")
         self._requests[ticket.replica_id] -= ticket.requests
+        self.changed.add(ticket.replica_id)
         self._blocks[ticket.replica_id] -= ticket.blocks
         if ticket.admitted_at > self.scraped_at.get(ticket.replica_id, _NEVER):
             self._unseen[ticket.replica_id] -= ticket.blocks
@@ -149,6 +154,7 @@ class KvLedger:
         """``rid`` left: its tickets are released by their requests, its scrape time goes."""
         self.scraped(rid, None)
         self.peers.pop(rid, None)
+        self.changed.add(rid)
 
     def check_integrity(self) -> None:
         """Raise ``RuntimeError('bug: ...')`` if the request counts disagree with the tickets."""

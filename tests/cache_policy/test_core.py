@@ -378,3 +378,94 @@ def test_a_new_key_when_every_pinned_key_is_in_flight_goes_over_the_bound_not_to
     for job in (first, second):
         core.finish(job, "ok", 0.2)
     core.check_integrity()
+
+
+_VIEW_OPS = st.lists(st.one_of(
+    st.tuples(st.just("request"), st.integers(0, 7), st.sampled_from([None, "s1", "s2"]), st.sampled_from([None, "g"])),
+    st.tuples(st.just("finish"), st.integers(0, 9), st.sampled_from(["ok", "cancelled", "refused"]), st.none()),
+    st.tuples(st.just("health"), st.sampled_from(R), st.booleans(), st.none()),
+    st.tuples(st.just("load"), st.sampled_from(R), st.integers(0, 6), st.none()),
+    st.tuples(st.just("peers"), st.sampled_from(R), st.integers(0, 3), st.none()),
+    st.tuples(st.just("version"), st.sampled_from(R), st.sampled_from([None, 0, 1]), st.none()),
+    st.tuples(st.just("leave"), st.sampled_from(R), st.none(), st.none()),
+    st.tuples(st.just("restart"), st.sampled_from(R), st.integers(0, 40), st.none()),
+    st.tuples(st.just("adopt"), st.sampled_from(R), st.sampled_from([None, 1, 2]), st.booleans()),
+    st.tuples(st.just("pump"), st.floats(0.0, 3.0), st.none(), st.none()),
+), max_size=40)
+
+
+@settings(max_examples=200, deadline=None)
+@given(_VIEW_OPS)
+def test_replica_views_are_rebuilt_whenever_an_input_changes(ops):
+    """The policies' replica views are kept between decisions and rebuilt only for replicas whose
+    inputs were marked changed (``DecisionCore._views_of``): under generated runs that admit, queue,
+    pump, finish and refuse work and change health, scraped load, peers' shares, loaded versions
+    (their own and another router's), restarts and the fleet, every kept view equals one built afresh after every step (``check_integrity``)."""
+    from cache_policy.sharing import PeerLoad
+
+    core = DecisionCore(PolicyConfig(queue_timeout_s=2.0, session_idle_s=10.0))
+    for rid in R:
+        core.add_replica(rid, block_size=16, num_gpu_blocks=24)
+    jobs: list = []
+    now = 0.0
+    for op, a, b, c in ops:
+        if op == "request" and core.replicas:
+            job = core.open(RequestSpec(list(range(100 * a, 100 * a + 48 + 16 * a)), session_id=b, group_id=c,
+                                        new_tokens=16), now)
+            if core.place(job, now) is not None:
+                adm = core.admit(job, now)
+                if adm.verdict in ("admit", "queue"):
+                    jobs.append(job)
+                elif adm.verdict == "replica_gone":
+                    core.finish(job, "cancelled", now)
+        elif op == "finish" and jobs:
+            job = jobs.pop(a % len(jobs))
+            job.generated_tokens = 4
+            core.finish(job, b, now)
+        elif op == "health" and a in core.replicas:
+            core.set_health(a, b)
+        elif op == "load" and a in core.replicas:
+            core.observe_load(a, ReplicaLoad(kv_cache_usage=b / 6, num_running=b, num_waiting=b // 2), now)
+        elif op == "peers":
+            core.set_peer_loads({a: PeerLoad(requests=b, committed=2 * b)})
+        elif op == "version" and a in core.replicas:
+            core.version_loaded(a, b)
+        elif op == "leave":
+            if a in core.replicas:
+                core.remove_replica(a, now)
+            else:
+                core.add_replica(a, block_size=16, num_gpu_blocks=24)
+        elif op == "adopt":  # shared state: another router's versions, or none confirmed
+            if c:
+                core.unconfirm_versions()
+            else:
+                other = DecisionCore(PolicyConfig())
+                for rid in R:
+                    other.add_replica(rid, block_size=16)
+                other.version_loaded(a, b)
+                core.apply_versions(other.versions_snapshot())
+        elif op == "restart" and a in core.replicas:
+            core.restarted(a, num_gpu_blocks=b)
+        elif op == "pump":
+            now += a
+            core.pump(now)
+        core.settle()
+        core.check_integrity()
+
+
+def test_a_job_finishes_after_the_last_replica_left():
+    """The fleet's block size outlives its replicas: a job still running when the last replica
+    leaves finishes cleanly (it raised ValueError 'no replica' from ``block_size``), and a job
+    opened then finds no replica (``place`` answers None, the router's 503)."""
+    core = DecisionCore(PolicyConfig())
+    core.add_replica(R[0], block_size=16, num_gpu_blocks=100)
+    job = core.open(RequestSpec(list(range(40)), new_tokens=4), 0.0)
+    core.place(job, 0.0)
+    assert core.admit(job, 0.0).verdict == "admit"
+    core.remove_replica(R[0], 1.0)
+    job.generated_tokens = 4
+    core.finish(job, "ok", 1.0)
+    assert job.done
+    late = core.open(RequestSpec(list(range(40)), new_tokens=4), 2.0)
+    assert core.place(late, 2.0) is None
+    core.check_integrity()

@@ -66,7 +66,7 @@ def test_scoring_under_keep_plus_salt_ignores_the_session_start_and_stays_on_its
 
 def test_taking_a_replica_out_sends_its_queue_back_and_a_late_admit_is_not_dispatchable():
     core = fleet("salt", max_queue=8, max_queue_per_replica=0)
-    core.replicas[B].healthy = False
+    core.set_health(B, False)
     big = core.open(RequestSpec(list(range(30_000)) [:12_000], new_tokens=400), 0.0)
     core.place(big, 0.0)
     assert core.admit(big, 0.0).verdict == "admit"
