@@ -43,6 +43,9 @@ class RunResult:
     prefilled_tokens: int
     requests_per_replica: dict[str, int]
     wall_s: float
+    prefilled_per_replica: dict[str, int]
+    """Prompt tokens each replica computed (its prompt tokens minus its prefix-cache hits): where
+    the routers differ, as both spread requests evenly."""
 
 
 async def _all_metrics(http: aiohttp.ClientSession, endpoints: Sequence[ReplicaEndpoint]) -> dict[str, VllmMetrics]:
@@ -81,19 +84,21 @@ def _summarize(name: str, policy: str, records: list[RequestRecord], before: dic
     prompt = sum(d.prompt_tokens for d in diffs)
     hits = sum(d.prefix_cache_hits for d in diffs)
     per_replica = {rid: sum(1 for r in records if r.replica == rid) for rid in sorted(after)}
+    prefilled = {rid: d.prompt_tokens - d.prefix_cache_hits for rid, d in zip(after, diffs)}
     return RunResult(name, policy, len(records), prompt, sum(d.prefix_cache_queries for d in diffs), hits,
-                     prompt - hits, per_replica, round(wall, 2))
+                     prompt - hits, per_replica, round(wall, 2), {rid: prefilled[rid] for rid in sorted(prefilled)})
 
 
 def render(results: list[RunResult], console: Console) -> dict[str, float]:
     """Print the comparison table; return prefilled-token ratios ours / round-robin per workload."""
     table = Table(title="Prefix reuse on real vLLM replicas (counters from each replica's /metrics)")
-    for col in ("workload", "router", "requests", "prompt tokens", "cache hits", "prefilled", "per replica",
-                "wall s"):
-        table.add_column(col, justify="right" if col not in ("workload", "router", "per replica") else "left")
+    for col in ("workload", "router", "requests", "prompt tokens", "cache hits", "prefilled",
+                "per replica: requests / prefilled", "wall s"):
+        table.add_column(col, justify="left" if col in ("workload", "router") or col.startswith("per") else "right")
     for r in results:
         table.add_row(r.workload, r.router, str(r.requests), f"{r.prompt_tokens:,}", f"{r.prefix_cache_hits:,}",
-                      f"{r.prefilled_tokens:,}", " ".join(f"{k}:{v}" for k, v in r.requests_per_replica.items()),
+                      f"{r.prefilled_tokens:,}",
+                      " ".join(f"{k}: {n} / {r.prefilled_per_replica.get(k, 0):,}" for k, n in r.requests_per_replica.items()),
                       f"{r.wall_s:.1f}")
     console.print(table)
     ratios = {}

