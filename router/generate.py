@@ -26,8 +26,15 @@ UPSTREAM_PATH = {"completions": "/v1/completions", "chat": "/v1/chat/completions
 
 
 def new_tokens(body: dict[str, Any], default_max_tokens: int) -> int:
-    """Tokens the request may generate over all its samples (``max_tokens * n``), for admission."""
-    limit = body.get("max_tokens") or body.get("max_completion_tokens") or default_max_tokens
+    """Tokens the request may generate over all its samples (``max_tokens * n``), for admission.
+    ``max_completion_tokens`` wins over ``max_tokens`` when both are given, as vLLM's chat
+    completions decide (``vllm/entrypoints/openai/chat_completion/serving.py``: ``get_max_tokens``
+    of ``max_completion_tokens if not None else max_tokens``); completions refuse it (``router.parse``)."""
+    limit = body.get("max_completion_tokens")
+    if limit is None:
+        limit = body.get("max_tokens")
+    if limit is None:
+        limit = default_max_tokens
     n = body.get("n") or 1
     return int(limit) * int(n) if isinstance(limit, int) and isinstance(n, int) else 0
 

@@ -36,8 +36,8 @@ def check_room(num_prompt: int, body: dict[str, Any], limits: Limits, param: str
 
     vLLM refuses a prompt longer than ``max_model_len`` and clamps ``max_tokens`` to what is
     left; the router refuses both, naming the field, so a request never holds admission for
-    tokens it cannot have (``max_tokens`` takes ``max_completion_tokens``'s place when both
-    are given, as in vLLM's ``build_tok_params``)."""
+    tokens it cannot have (``max_completion_tokens`` wins over ``max_tokens`` when both are
+    given, as in vLLM's chat ``build_tok_params``)."""
     room = limits.max_model_len - num_prompt
     if room < 1:
         raise BadRequest(f"'{param}' has {num_prompt} tokens; the model's max_model_len of {limits.max_model_len} "

@@ -292,6 +292,12 @@ def parse_completion(body: dict[str, Any], headers: Mapping[str, str], *, limits
     limits = limits or default_limits()
     refuse_router_set_fields(body)
     refuse_plugin_xargs(body)
+    if body.get("max_completion_tokens") is not None:
+        # vLLM's completions ignore it (a chat field) and generate max_tokens (default 16): the
+        # client would get other output than it asked for, and admission would count the wrong size
+        raise BadRequest("'max_completion_tokens' is a /v1/chat/completions field; /v1/completions takes "
+                         "'max_tokens' (vLLM would ignore it and generate its default 16)",
+                         param="max_completion_tokens")
     keys, stream = routing_keys(body, headers, limits, tenant), _validate_common(body, limits)
     prompt, max_id = _validate_prompt(body.get("prompt"), limits)
     # every prompt _validate_prompt passes, the model passes too: it need not walk the token IDs again

@@ -49,6 +49,7 @@ def test_model_errors_name_the_nested_field(body, param):
     (parse_completion, {"prompt": [1]}, {"X-Group-Id": "a\tb"}, "group_id"),
     (parse_completion, {"prompt": [1], "n": 5}, {}, "n"),
     (parse_completion, {"prompt": [1], "max_tokens": 100}, {}, "max_tokens"),
+    (parse_completion, {"prompt": [1], "max_completion_tokens": 5}, {}, "max_completion_tokens"),  # vLLM ignores it
     (parse_completion, {"prompt": [1] * 101}, {}, "prompt"),
     (parse_completion, {"prompt": "x" * 51}, {}, "prompt"),
     (parse_chat, {"messages": [{"role": "user", "content": "x" * 51}]}, {}, "messages"),
@@ -153,3 +154,14 @@ def test_openapi_document_is_built_from_the_models():
     assert {"400", "401", "403", "408", "409", "413", "415", "429", "502", "503"} <= set(responses)
     assert "Retry-After" in responses["429"]["description"] and "max_body_bytes" in responses["413"]["description"]
     assert len({r["description"] for r in responses.values()}) == len(responses)
+
+
+@pytest.mark.parametrize("body,want", [
+    ({"max_tokens": 7}, 7), ({"max_completion_tokens": 9}, 9),
+    ({"max_tokens": 7, "max_completion_tokens": 9}, 9),  # vLLM's chat: max_completion_tokens first
+    ({"max_tokens": 7, "max_completion_tokens": None}, 7), ({}, 50), ({"max_tokens": 3, "n": 4}, 12),
+])
+def test_admission_counts_the_output_vllm_will_generate(body, want):
+    from router.generate import new_tokens
+
+    assert new_tokens(body, 50) == want
