@@ -246,10 +246,12 @@ class AdmissionState:
         if ends_session and ticket.session_id is not None:
             self._session_ended(ticket.blocks)
         if ticket.session_id is not None:
-            self.registry.seen("session", ticket.session_id, now)
+            # a session evicted over policy.max_pins as its request finished (KeyRegistry.finished) is
+            # not made again here without its pin and start version (a fresh attacker's report)
+            self.registry.seen("session", ticket.session_id, now, create=False)
             if park:
                 self.registry.park(ticket.session_id, ticket.replica_id, ticket.blocks,
-                                   parked_limit(self.cfg, capacity), stamp)
+                                   parked_limit(self.cfg, capacity), stamp, create=False)
 
     def expire(self, now: float, view_of: Callable[[ReplicaId], ReplicaView | None] = lambda rid: None,
                ) -> tuple[list[tuple[AdmissionRequest, Admission]], list[AdmissionRequest]]:

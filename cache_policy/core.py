@@ -220,9 +220,12 @@ class DecisionCore:
 
     def restarted(self, rid: ReplicaId, *, num_gpu_blocks: int = 0, scoring_cap: bool = False,
                   version: int | None = None) -> None:
-        """``rid`` came back with an empty cache: forget its index entries and pins."""
+        """``rid`` came back with an empty cache: forget its index entries and pins. Like every
+        replica event here, ignored for a replica the core does not hold (it left meanwhile)."""
         self._settle_holds()
-        rec = self.replicas[rid]
+        rec = self.replicas.get(rid)
+        if rec is None:
+            return
         rec.num_gpu_blocks, rec.scoring_cap, rec.load = num_gpu_blocks, scoring_cap, ReplicaLoad()
         self._changed.add(rid)
         self.policy.on_cache_reset(rid)
@@ -256,6 +259,8 @@ class DecisionCore:
     def cache_reset(self, rid: ReplicaId) -> None:
         """``rid``'s prefix cache was emptied (a confirmed reset): predict no hits there; its
         cache now holds KV of its loaded version only."""
+        if rid not in self.replicas:
+            return
         self._settle_holds()
         self.policy.on_cache_reset(rid)
         self.free_queue.reset(rid)
@@ -263,7 +268,10 @@ class DecisionCore:
         self.versions.cache_reset(rid)
 
     def version_loaded(self, rid: ReplicaId, version: int | None) -> None:
-        """``rid`` now serves ``version`` (None: unknown, after a failed reload)."""
+        """``rid`` now serves ``version`` (None: unknown, after a failed reload); ignored once ``rid``
+        left (a late report would list it in the version book and the shared snapshot again)."""
+        if rid not in self.replicas:
+            return
         self.versions.set_loaded(rid, version)
         self._changed.add(rid)
 
@@ -277,6 +285,8 @@ class DecisionCore:
         not find them admitted to a paused engine, nor run them on weights they were not salted for)."""
         if reason is None:
             self.versions.rotation.pop(rid, None)
+        elif rid not in self.replicas:  # it left: out of rotation for good (an "updating" would stick)
+            return
         else:
             self.versions.rotation[rid] = reason
             self._drop_queue(rid)

@@ -156,8 +156,11 @@ class KeyRegistry:
 
     # -- liveness, parked prefixes, expiry -------------------------------------------------------
 
-    def seen(self, kind: KeyKind, key: str, now: float) -> None:
-        """``key`` was admitted or finished a request at ``now``."""
+    def seen(self, kind: KeyKind, key: str, now: float, *, create: bool = True) -> None:
+        """``key`` was admitted or finished a request at ``now``. ``create`` False: only if it still
+        has a record (a finished request's key evicted over ``max_keys`` is not made again)."""
+        if not create and (kind, key) not in self._records:
+            return
         rec = self.touch(kind, key)
         rec.last_seen = max(rec.last_seen, now)
 
@@ -167,12 +170,15 @@ class KeyRegistry:
         return rec is not None and now - rec.last_seen <= idle_s
 
     def park(self, session_id: str, replica: ReplicaId, blocks: int, limit: int | None = None,
-             stamp: int | None = None) -> None:
+             stamp: int | None = None, *, create: bool = True) -> None:
         """Session ``session_id`` holds ``blocks`` of prefix on ``replica`` between turns.
 
         With ``limit``, parked prefixes on ``replica`` count at most ``limit`` blocks: the oldest
         parked first stop counting (this one too, if it alone is larger). See
-        ``cache_policy.admission_state.parked_limit`` for why."""
+        ``cache_policy.admission_state.parked_limit`` for why. ``create`` False: only if the session
+        still has a record (see :meth:`seen`)."""
+        if not create and ("session", session_id) not in self._records:
+            return
         rec = self.touch("session", session_id)
         self._unpark(rec)
         if rec.in_flight == 0 and not rec.ended:
@@ -244,8 +250,9 @@ class KeyRegistry:
 
     def check_integrity(self) -> None:
         """Raise ``RuntimeError('bug: ...')`` if a bound or an invariant is broken."""
-        if len(self._records) > self.max_keys and any(r.in_flight == 0 for r in self._records.values()):
-            raise RuntimeError(f"bug: {len(self._records)} key records > max_pins {self.max_keys}")
+        idle = sum(1 for r in self._records.values() if r.in_flight == 0)
+        if len(self._records) > self.max_keys and idle > 1:  # one new key is kept while all others run (touch)
+            raise RuntimeError(f"bug: {len(self._records)} key records > max_pins {self.max_keys} with {idle} idle")
         sums: dict[ReplicaId, int] = {}
         for (kind, key), r in self._records.items():
             if r.own_in_flight > r.in_flight:

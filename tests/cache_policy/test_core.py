@@ -469,3 +469,50 @@ def test_a_job_finishes_after_the_last_replica_left():
     late = core.open(RequestSpec(list(range(40)), new_tokens=4), 2.0)
     assert core.place(late, 2.0) is None
     core.check_integrity()
+
+
+def test_a_session_evicted_as_it_finishes_over_max_pins_leaves_no_half_record():
+    """``max_pins`` = 1 with two sessions in flight: when the first finishes, its record (pin,
+    start version, parked prefix) is evicted whole. Its park and ``seen`` used to run after the
+    eviction and make it again without pin or start version (``check_integrity``: 2 records > 1;
+    a fresh attacker's report). A key adopted while every other runs is kept past the bound."""
+    core = DecisionCore(PolicyConfig(max_pins=1))
+    for rid in R[:2]:
+        core.add_replica(rid, block_size=16, num_gpu_blocks=100)
+    a = core.open(RequestSpec(list(range(40)), session_id="s1", new_tokens=4), 0.0)
+    core.place(a, 0.0)
+    assert core.admit(a, 0.0).verdict == "admit"
+    b = core.open(RequestSpec(list(range(100, 140)), session_id="s2", new_tokens=4), 0.1)
+    core.place(b, 0.1)
+    assert core.admit(b, 0.1).verdict == "admit"
+    core.settle()
+    a.generated_tokens = 4
+    core.finish(a, "ok", 0.2)
+    assert core.registry.record_of("session", "s1") is None
+    assert core.registry.record_of("session", "s2").replica == b.replica_id
+    core.check_integrity()
+    core.adopt_pin("session", "s3", None, start_version=0, now=0.3)  # every other record is in flight
+    assert core.registry.record_of("session", "s3").start_version == 0
+    core.check_integrity()
+    b.generated_tokens = 4
+    core.finish(b, "ok", 0.4)
+    core.check_integrity()
+    assert len(core.registry._records) == 1
+
+
+def test_events_for_a_replica_that_left_are_ignored():
+    """A late report about a replica that already left (its version, a rotation change, a cache
+    reset, a restart) leaves no trace: the version book, its shared snapshot and ``updating()``
+    hold only the replicas the core holds (a fresh attacker's report: ``updating()`` stuck True)."""
+    core = DecisionCore(PolicyConfig(), weight_update_policy="salt")
+    for rid in R[:2]:
+        core.add_replica(rid, block_size=16, num_gpu_blocks=100)
+    core.remove_replica(R[1], 0.0)
+    core.set_rotation(R[1], "updating")
+    core.version_loaded(R[1], 1)
+    core.cache_reset(R[1])
+    core.restarted(R[1], num_gpu_blocks=100)
+    assert not core.versions.updating() and R[1] not in core.versions.rotation
+    assert set(core.versions.describe()["replicas"]) == {R[0]} and 1 not in core.versions.history
+    assert {rid for rid, _ in core.versions_snapshot().loaded} == {R[0]}
+    core.check_integrity()
