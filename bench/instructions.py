@@ -35,8 +35,9 @@ _WORKLOAD = "import sys; from bench.decision_cost import cost_per_request; cost_
 """The timed loop of ``bench.decision_cost`` (its two clock reads are the same in both runs)."""
 
 
-def valgrind_command(checkout: Path, replicas: int, requests: int, prompt_tokens: int, seed: int) -> list[str]:
-    """The argv that counts the instructions of ``requests`` requests on ``replicas`` replicas."""
+def valgrind_command(replicas: int, requests: int, prompt_tokens: int, seed: int) -> list[str]:
+    """The argv that counts the instructions of ``requests`` requests on ``replicas`` replicas (run
+    with the checkout's folder first on ``PYTHONPATH``: :func:`count`)."""
     return ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", sys.executable, "-c", _WORKLOAD,
             str(replicas), str(requests), str(prompt_tokens), str(seed)]
 
@@ -52,7 +53,7 @@ def collected(stderr: bytes) -> int:
 def count(checkout: Path, replicas: int, requests: int, prompt_tokens: int, seed: int) -> int:
     """Instructions of one run of the workload in ``checkout`` (its own ``cache_policy``)."""
     env = {**os.environ, "PYTHONPATH": str(checkout.resolve()), "PYTHONHASHSEED": "0"}
-    done = subprocess.run(valgrind_command(checkout, replicas, requests, prompt_tokens, seed), cwd=checkout,
+    done = subprocess.run(valgrind_command(replicas, requests, prompt_tokens, seed), cwd=checkout,
                           env=env, capture_output=True, timeout=3600)
     if done.returncode != 0:
         raise RuntimeError(f"{checkout}: the workload failed: {done.stderr[-800:].decode(errors='replace')}")

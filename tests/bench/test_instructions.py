@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from bench.instructions import collected, main, valgrind_command
@@ -17,7 +15,7 @@ def test_the_count_is_read_from_callgrinds_exit_line():
 
 
 def test_the_command_runs_decision_costs_workload_under_callgrind():
-    argv = valgrind_command(Path("/tmp/x"), 64, 150, 2000, 3)
+    argv = valgrind_command(64, 150, 2000, 3)
     assert argv[:3] == ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null"]
     assert "from bench.decision_cost import cost_per_request" in argv[5] and argv[-4:] == ["64", "150", "2000", "3"]
 
