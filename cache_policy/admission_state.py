@@ -105,6 +105,9 @@ class AdmissionState:
         """Blocks an ended session held at its last turn (moving average; None before one ended).
         A session ends by its client's word (``X-Session-End``, ``DELETE /v1/sessions/{id}``) or
         by going unseen for ``session_idle_s`` (then its parked prefix is the sample)."""
+        self.largest_session_blocks = 0
+        """The most blocks one request of a session has held (at its release): what
+        :meth:`sessions_full` counts sessions at until one has ended (:attr:`session_blocks`)."""
 
     def request(self, rid: ReplicaId, total_blocks: int, matched_blocks: int, session_id: str | None,
                 group_id: str | None, requests: int, now: float, request_id: str = "",
@@ -167,8 +170,9 @@ class AdmissionState:
         """Whether ``view``'s replica has no room for one more session: the sessions live there
         (parked or running), each counted at the larger of what it holds and what sessions end
         at (:attr:`session_blocks`), plus one more at that size, would pass
-        ``session_fraction`` of the watermark budget. False before a session has ended (by its
-        client's word or by going idle: :attr:`session_blocks`).
+        ``session_fraction`` of the watermark budget. Until a session has ended (by its client's
+        word or by going idle), sessions are counted at the largest any has grown to so far
+        (:attr:`largest_session_blocks`; False before one has finished a turn).
 
         A session's first turn is small and its prefix grows every turn; admitted by its first
         turn alone, more sessions started on a replica than its cache could keep between turns,
@@ -178,8 +182,16 @@ class AdmissionState:
         ``PolicyConfig.session_fraction``). ``opening``: the blocks of sessions admitted there in
         the same pump pass, not yet in the ledger (each counted like a running one: a pass that
         asked once per replica started 5-6 sessions together where one fitted, and their
-        contexts outgrew the cache: ``bench.sim`` agents 1.9x ideal at 4 replicas)."""
+        contexts outgrew the cache: ``bench.sim`` agents 1.9x ideal at 4 replicas).
+
+        The bound before any session ended is a lower bound that grows with the sessions: without
+        it every session arriving in a fleet's first minute started, a few replicas got more than
+        their caches could keep, and their turns re-prefilled until those sessions ended
+        (``bench.sim`` 64 replicas, ws/kv 2, mixed, seeds 0-3: all of ours' excess prefill came in
+        the first 40 simulated seconds; prefilled/ideal 1.12-1.21 -> 1.03)."""
         expected, cap = self.session_blocks, view.num_gpu_blocks
+        if expected is None:
+            expected = self.largest_session_blocks or None
         if expected is None or not cap or not self.enabled:
             return False
         rid = view.replica_id
@@ -244,8 +256,9 @@ class AdmissionState:
         ``ends_session``: its session's last turn (its size feeds :attr:`session_blocks`)."""
         self.ledger.release(ticket)
         if ends_session and ticket.session_id is not None:
-            self._session_ended(ticket.blocks)
+            self.session_ended(ticket.blocks)
         if ticket.session_id is not None:
+            self.largest_session_blocks = max(self.largest_session_blocks, ticket.blocks)
             # a session evicted over policy.max_pins as its request finished (KeyRegistry.finished) is
             # not made again here without its pin and start version (a fresh attacker's report)
             self.registry.seen("session", ticket.session_id, now, create=False)
@@ -301,9 +314,9 @@ class AdmissionState:
             self._unparked_at = now
             waiting = {r.session_id for r in self.queue.waiting() if r.session_id is not None}
             for blocks in self.registry.unpark_idle(now, self.cfg.session_idle_s, waiting):
-                self._session_ended(blocks)
+                self.session_ended(blocks)
 
-    def _session_ended(self, blocks: int) -> None:
+    def session_ended(self, blocks: int) -> None:
         """A session ended at ``blocks`` (its last turn, or its parked prefix when it went idle):
         one sample of :attr:`session_blocks`, the size :meth:`sessions_full` counts sessions at."""
         old = self.session_blocks

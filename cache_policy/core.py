@@ -309,9 +309,13 @@ class DecisionCore:
             self.registry.record(kind, key, rid)  # type: ignore[arg-type]
 
     def end_session(self, session_id: str) -> bool:
-        """The client ended ``session_id``: its pin and parked prefix are released at once.
+        """The client ended ``session_id``: its pin and parked prefix are released at once, and a
+        parked prefix is a sample of the size sessions end at (``AdmissionState.session_blocks``).
         False when this router holds no record of it (never seen, already ended, or expired)."""
         self._settle_holds()
+        rec = self.registry.record_of("session", session_id)
+        if rec is not None and rec.parked is not None and not rec.ended:
+            self.admission.session_ended(rec.parked[1])
         return self.registry.end("session", session_id)
 
     # -- sharing with other routers (cache_policy.sharing; router.state carries it out) ---------
@@ -549,7 +553,7 @@ class DecisionCore:
             for suspect in job.suspects:
                 self._count_failure(suspect, "retry")
         if outcome == "ok" and job.spec.ends_session and job.spec.session_id is not None:
-            self.end_session(job.spec.session_id)
+            self.registry.end("session", job.spec.session_id)  # its release above took the sample
         elif job.spec.session_id is not None:  # its session ended while it ran: forget it now
             self.registry.drop_ended("session", job.spec.session_id)
 
@@ -762,7 +766,7 @@ class DecisionCore:
 
     def _candidates(self, job: Job) -> list[ReplicaView]:
         """Every replica ``job`` may use (the candidate scan: one cached view per replica)."""
-        skip = self.versions.excluded(job.choice, [])
+        skip = self.versions.excluded(job.choice)
         if job.tried:
             skip |= set(job.tried)
         return self._views_of([rid for rid in self.replicas if rid not in skip])

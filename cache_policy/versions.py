@@ -218,13 +218,12 @@ class VersionBook:
 
     # -- rotation -----------------------------------------------------------------------------
 
-    def excluded(self, choice: SaltChoice, healthy: list[ReplicaId]) -> set[ReplicaId]:
+    def excluded(self, choice: SaltChoice) -> set[ReplicaId]:
         """Replicas a request with ``choice`` must not be routed to.
 
         Out of rotation always; and, for a strict request (``choice.pins_version``), every
         replica not serving its version, even when none does (the core then re-salts it:
-        ``DecisionCore.place``). ``healthy``: the healthy replica ids (unused by the rule now,
-        kept for callers)."""
+        ``DecisionCore.place``)."""
         out = set(self.rotation)
         if choice.pins_version and self._on_version.get(choice.version, 0) != len(self.loaded):
             out |= {r for r, v in self.loaded.items() if v != choice.version}

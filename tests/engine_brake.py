@@ -154,7 +154,8 @@ async def engine_core_of(replica_set, rid: str, timeout_s: float = 60.0) -> tupl
         cores = engine_core_pids(pgid)
         if len(cores) == 1:
             return pgid, cores[0]
-        assert time.monotonic() < deadline, f"replica {rid} (group {pgid}) shows engine cores {cores}"
+        assert time.monotonic() < deadline, (f"replica {rid} (group {pgid}) shows engine cores {cores}; "
+                                             f"members: {_cmdlines(group_members(pgid))}")
         await asyncio.sleep(0.2)
 
 
@@ -162,12 +163,20 @@ def engine_core_pids(pgid: int) -> list[int]:
     """Pids in ``pgid``'s group whose title names vLLM's EngineCore (``set_process_title`` in
     ``vllm/v1/engine/core.py``): the command line, or the kernel's 15-byte name
     (``VLLM::EngineCor``), which ``setproctitle`` also sets and which stays readable when
-    rewriting the command line did not take (a full run once saw no titled core for 60 s)."""
-    out = []
+    rewriting the command line did not take (a full run once saw no titled core for 60 s).
+    With no titled process, the EngineCore is the API server's untitled child: a fork of it with
+    its command line (``get_mp_context`` in ``vllm/utils/system_utils.py``: fork unless
+    ``VLLM_WORKER_MULTIPROC_METHOD`` says spawn) or a ``multiprocessing`` spawn child
+    (``spawn_main``): a slow host's full run (session 17) saw no titled process for 60 s again."""
+    out, untitled = [], []
+    leader = _cmdline(pgid)
     for pid in group_members(pgid):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                titled = b"EngineCore" in f.read()
+                cmdline = f.read()
+            titled = b"EngineCore" in cmdline
+            if pid != pgid and _ppid(pid) == pgid and (cmdline == leader or b"spawn_main" in cmdline):
+                untitled.append(pid)
             if not titled:
                 with open(f"/proc/{pid}/comm", "rb") as f:
                     titled = f.read().startswith(b"VLLM::EngineCor")
@@ -175,7 +184,29 @@ def engine_core_pids(pgid: int) -> list[int]:
             continue
         if titled:
             out.append(pid)
-    return out
+    return out or (untitled if len(untitled) == 1 else [])
+
+
+def _cmdline(pid: int) -> bytes | None:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def _ppid(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            text = f.read()
+    except OSError:
+        return None
+    return int(text[text.rfind(b")") + 2:].split()[1])  # "pid (comm) state ppid ..."
+
+
+def _cmdlines(pids: list[int]) -> dict[int, str]:
+    """Each pid's command line (truncated), for a failed wait's message."""
+    return {pid: (_cmdline(pid) or b"(gone)").replace(b"\0", b" ").decode(errors="replace")[:120] for pid in pids}
 
 
 def _signal(pid: int, sig: int) -> None:

@@ -136,7 +136,8 @@ def test_continuing_session_goes_first_and_displaces_new_work(fake_clock):
 
 
 def test_parked_sessions_hold_room_against_new_work_until_idle(fake_clock):
-    core = make(queue_timeout_s=30.0, parked_fraction=1.0)  # the mechanism, uncapped
+    # the mechanism, uncapped; the session share (two sessions of 40 blocks: 80 <= 85) apart
+    core = make(queue_timeout_s=30.0, parked_fraction=1.0, session_fraction=1.0)
     for sid in ("s1", "s2"):
         job, _ = ask(core, fake_clock, 40, session=sid)
         core.finish(job, "ok", fake_clock.now())
@@ -207,7 +208,8 @@ def test_a_stopping_router_refuses_every_queued_job_at_once(fake_clock):
 
 
 def test_parked_prefixes_count_up_to_their_fraction_of_the_watermark_oldest_out_first(fake_clock):
-    core = make(queue_timeout_s=30.0, parked_fraction=0.5)  # 0.5 * 0.85 * 100 = 42 blocks
+    # 0.5 * 0.85 * 100 = 42 blocks; the session share apart (sessions of 40 blocks: two fit in 85)
+    core = make(queue_timeout_s=30.0, parked_fraction=0.5, session_fraction=1.0)
     for sid in ("s1", "s2"):
         job, _ = ask(core, fake_clock, 40, session=sid)
         core.finish(job, "ok", fake_clock.now())
@@ -400,11 +402,32 @@ def test_a_new_session_goes_to_a_replica_with_session_room_rather_than_wait_on_a
     core.check_integrity()
 
 
-def test_without_an_ended_session_new_sessions_are_not_limited(fake_clock):
-    core = make(queue_timeout_s=30.0)
-    for sid in ("s1", "s2", "s3", "s4"):
-        park_session(core, fake_clock, sid, 5)
-    assert core.admission.session_blocks is None and core.registry.parked_blocks(A) == 20
+def test_before_any_turn_finished_new_sessions_are_not_limited(fake_clock):
+    core = make(queue_timeout_s=30.0, session_fraction=0.5)
+    jobs = [ask(core, fake_clock, 15, session=sid) for sid in ("s1", "s2", "s3", "s4")]
+    assert [adm.verdict for _, adm in jobs] == ["admit"] * 4  # 60 blocks <= 85: only the watermark
+    assert core.admission.session_blocks is None and core.admission.largest_session_blocks == 0
+
+
+def test_before_any_session_ended_sessions_count_at_the_largest_one_so_far(fake_clock):
+    # 0.5 * 0.85 * 100 = 42.5 blocks for sessions; none has ended. s1's turns grow to 20 blocks:
+    # s1 and s2 (5 blocks so far) each count 20, a third would bring 60 > 42.5, so s3 waits;
+    # short-lived work does not count (a fleet's first minute: every session arriving started)
+    core = make(queue_timeout_s=30.0, session_fraction=0.5)
+    prompt = park_session(core, fake_clock, "s1", 10)
+    turn, adm = ask(core, fake_clock, 20, session="s1", prompt=tokens(20, prompt))
+    core.finish(turn, "ok", fake_clock.now())
+    assert core.admission.session_blocks is None and core.admission.largest_session_blocks == 20
+    park_session(core, fake_clock, "s2", 5)  # 20 + 20 <= 42.5
+    other, free = ask(core, fake_clock, 30)  # no session: the share does not apply
+    assert free.verdict == "admit"
+    core.finish(other, "ok", fake_clock.now())
+    third, adm = ask(core, fake_clock, 5, session="s3")  # 20 + 20 + 20 > 42.5
+    assert (adm.verdict, adm.reason) == ("queue", "session_budget")
+    core.end_session("s2")  # ended by DELETE, parked at 5 blocks: from now on sessions count at 5 (s1: 20)
+    [(job, started)] = core.pump(fake_clock.now())
+    assert job is third and started.verdict == "admit" and core.admission.session_blocks == 5
+    core.check_integrity()
 
 
 def test_sessions_parked_and_unseen_for_half_the_queue_timeout_leave_the_session_share(fake_clock):

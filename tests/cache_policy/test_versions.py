@@ -45,7 +45,7 @@ def test_step_tags_without_a_weight_change_keep_one_salt():
 def test_flush_and_keep_send_no_salt(policy):
     b = Book(policy)
     choice = b.assign(0.0, session_id="s")
-    assert choice.salt is None and choice.version == 0 and b.v.excluded(choice, [A, B]) == set()
+    assert choice.salt is None and choice.version == 0 and b.v.excluded(choice) == set()
 
 
 def test_keep_plus_salt_sessions_keep_their_start_salt_new_ones_get_the_new():
@@ -74,11 +74,11 @@ def test_salted_requests_go_to_replicas_serving_their_version():
     b.v.set_loaded(A, 1)  # rolling update: A done, B still on 0
     b.v.finish_update(1, "salt")
     new = b.assign(0.0)
-    assert new.salt == "rr:v1" and b.v.excluded(new, [A, B]) == {B}
+    assert new.salt == "rr:v1" and b.v.excluded(new) == {B}
     old = b.assign(0.0, weight_version=0)
-    assert old.salt == "rr:v0" and b.v.excluded(old, [A, B]) == {A}
+    assert old.salt == "rr:v0" and b.v.excluded(old) == {A}
     b.v.rotation[A] = "updating"
-    assert b.v.excluded(new, [A, B]) == {A, B}  # nobody in rotation serves v1: the core re-salts it
+    assert b.v.excluded(new) == {A, B}  # nobody in rotation serves v1: the core re-salts it
     assert b.v.updating()
     del b.v.rotation[A]
     assert not b.v.updating()
@@ -182,6 +182,6 @@ def test_excluded_equals_the_scan_under_any_loaded_history():
                 want = set(book.rotation)
                 if choice.pins_version:
                     want |= {r for r, lv in book.loaded.items() if lv != version}
-                assert book.excluded(choice, []) == want
+                assert book.excluded(choice) == want
 
     run()
