@@ -20,6 +20,7 @@ from cache_policy.prefix_index import PrefixIndex
 from cache_policy.registry import KeyRecord as Pin
 from cache_policy.registry import KeyRegistry, PinKind
 from cache_policy.selection import healthy, least_loaded, load, longest_prefix
+from cache_policy.sent import RecentlySent
 from cache_policy.types import Decision, ReplicaId, ReplicaView, RequestView, RouteReason
 
 _PIN_ORDER: tuple[tuple[PinKind, RouteReason], ...] = (
@@ -44,11 +45,8 @@ class PrefixAffinityPolicy:
     * Without a pin, the replica holding the most leading blocks wins (``PREFIX``) when it
       holds at least ``cache_threshold`` of the request's blocks (and at least one),
       unless the balance guard engages (``BALANCE``: least loaded, ties -> longest prefix
-      -> rng). Otherwise the least loaded replica (``LOAD``), ties -> the replica this router
-      sent the fewest requests (``routed``) -> rng. Pinned sessions make per-replica totals
-      uneven; tied by rng, new keys landed where chance put them (``bench.sim`` 64 replicas,
-      ws/kv 2, mixed: busiest replica 1.21x the mean requests; with ``routed`` and the core's
-      session-room rule, 1.08x).
+      -> rng). Otherwise the replica with the least load plus requests sent to it lately
+      (``LOAD``; ``cache_policy.sent``), ties -> rng.
     """
 
     name = "prefix_affinity"
@@ -58,9 +56,10 @@ class PrefixAffinityPolicy:
         self.rng = rng
         self.index = PrefixIndex(cfg.max_index_blocks, cfg.predicted_ttl_s)
         self.pins = pins if pins is not None else KeyRegistry(cfg.max_pins, cfg.key_ttl_s)
-        self.routed: dict[ReplicaId, int] = {}
-        """Engine requests this router placed on each replica (a fan-out counts K): the tie-break
-        of a new key between equally loaded replicas (see :meth:`_from_prefix_or_load`)."""
+        self.sent = RecentlySent(cfg.balance_window_s)
+        """Engine requests this router placed on each replica lately (a fan-out counts K): with
+        the load, where a new key goes (see :meth:`_from_prefix_or_load`). Its clock is the pin
+        table's (``KeyRegistry.now``: ``DecisionCore`` advances it)."""
 
     def select(self, request: RequestView, replicas: Sequence[ReplicaView]) -> Decision | None:
         """Where ``request`` should go; ``None`` when no replica is healthy."""
@@ -86,7 +85,7 @@ class PrefixAffinityPolicy:
                 self.pins.record("group", request.group_id, rid)
             self.pins.started("group", request.group_id, rid, count)
         self.index.insert(request.block_hashes, rid, defer=True)  # DecisionCore.settle applies it
-        self.routed[rid] = self.routed.get(rid, 0) + count
+        self.sent.add(rid, count, self.pins.now)
 
     def on_finished(self, request: RequestView, replica_id: ReplicaId) -> None:
         """Release the request's share of its pins' own in-flight counts."""
@@ -103,23 +102,27 @@ class PrefixAffinityPolicy:
     def on_replicas_changed(self, replica_ids: Sequence[ReplicaId]) -> None:
         """Drop the pins and index entries of replicas no longer in ``replica_ids``."""
         current = set(replica_ids)
-        for gone in (self.index.replicas() | self.pins.replicas() | set(self.routed)) - current:
+        for gone in (self.index.replicas() | self.pins.replicas() | set(self.sent)) - current:
             self.forget_replica(gone)
-            self.routed.pop(gone, None)
-        floor = min(self.routed.values(), default=0)
-        for rid in current - set(self.routed):  # a replica joining late is not sent every new key
-            self.routed[rid] = floor
+            self.sent.drop(gone)
+        for rid in current - set(self.sent):  # a replica joining late is not sent every new key
+            self.sent.level(rid)
 
     def on_cache_reset(self, replica_id: ReplicaId) -> None:
         """``replica_id``'s prefix cache was emptied: predict no hits there (pins stay)."""
         self.index.remove_replica(replica_id)
 
+    def on_returned(self, replica_id: ReplicaId) -> None:
+        """``replica_id`` is back in service: it was sent nothing while out, and at its count it
+        would take every new key until level again (a burst onto one replica)."""
+        self.sent.level(replica_id, keep_higher=True)
+
     def forget_replica(self, replica_id: ReplicaId) -> None:
         """Forget ``replica_id``'s pins and blocks (it left, restarted or flushed its cache)."""
         self.index.remove_replica(replica_id)
         self.pins.drop_replica(replica_id)
-        if replica_id in self.routed:  # back empty: level with the least-sent replica, not below it
-            self.routed[replica_id] = min(self.routed.values())
+        if replica_id in self.sent:  # back empty: level with the least-sent replica, not below it
+            self.sent.level(replica_id)
 
     def check_integrity(self) -> None:
         """Raise ``RuntimeError('bug: ...')`` if the index or the pin table is corrupt."""
@@ -169,17 +172,21 @@ class PrefixAffinityPolicy:
     ) -> Decision:
         n_blocks = len(request.block_hashes)
         if not matched:  # a new prompt: held nowhere (the common case, and the whole scan at 1,024 replicas)
-            return _decide(least_loaded(candidates, self.rng, self.routed), RouteReason.LOAD, matched)
+            return _decide(self._least_loaded(candidates), RouteReason.LOAD, matched)
         best = longest_prefix(candidates, matched, self.rng)
         hit = matched.get(best.replica_id, 0)
         if hit == 0 or hit < self.cfg.cache_threshold * n_blocks:
-            return _decide(least_loaded(candidates, self.rng, self.routed), RouteReason.LOAD, matched)
+            return _decide(self._least_loaded(candidates), RouteReason.LOAD, matched)
         floor = min(load(c) for c in candidates)
         if self._imbalanced(candidates) and load(best) > floor:
             idle = [c for c in candidates if load(c) == floor]
             chosen = longest_prefix(idle, matched, self.rng)
             return _decide(chosen, RouteReason.BALANCE, matched)
         return _decide(best, RouteReason.PREFIX, matched)
+
+    def _least_loaded(self, candidates: Sequence[ReplicaView]) -> ReplicaView:
+        """Where a new key goes: the least ``load + sent`` (``cache_policy.sent``)."""
+        return least_loaded(candidates, self.rng, self.sent.raw, self.sent.scale(self.pins.now))
 
     def _imbalanced(self, candidates: Sequence[ReplicaView]) -> bool:
         loads = [load(c) for c in candidates]

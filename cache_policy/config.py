@@ -46,6 +46,10 @@ class PolicyConfig:
     what a prefill chunk of a few tokens per running sequence does; 256 (eight 32-token blocks)
     is the order of one rollout turn's new prompt tokens."""
 
+    balance_window_s: float = 300.0
+    """Time constant, in seconds, of the requests-sent count that joins the load when a new key
+    is placed (``cache_policy.sent``): requests sent this long ago count ``1/e``."""
+
     predicted_ttl_s: float = 10.0
     """On a replica that publishes KV events, a predicted prefix-index entry (a routing
     decision) that no ``BlockStored`` confirms within this many seconds expires."""
@@ -133,6 +137,7 @@ class PolicyConfig:
         _at_least(self, "failures_out_of_rotation", 1)
         _at_least(self, "move_queue_cost_tokens", 0)
         _positive(self, "predicted_ttl_s")
+        _positive(self, "balance_window_s")
         _in_unit(self, "high_watermark", low_open=True)
         _at_least(self, "max_queue", 0)
         _at_least(self, "max_queue_per_replica", 0)

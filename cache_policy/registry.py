@@ -81,6 +81,11 @@ class KeyRegistry:
         """The caller's clock moved to ``now`` (used by the clock-less pin methods)."""
         self._now = max(self._now, now)
 
+    @property
+    def now(self) -> float:
+        """The latest time :meth:`advance` was given (``-inf`` before the first)."""
+        return self._now
+
     def record_of(self, kind: KeyKind, key: str) -> KeyRecord | None:
         """The record of ``key`` (not touched), or ``None``."""
         return self._records.get((kind, key))

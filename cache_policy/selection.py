@@ -49,17 +49,18 @@ def _first_of_min(candidates: Sequence[ReplicaView], keys: list[Any], rng: rando
 
 
 def least_loaded(candidates: Sequence[ReplicaView], rng: random.Random,
-                 routed: Mapping[ReplicaId, int] | None = None) -> ReplicaView:
-    """The least loaded candidate (see :func:`load`); with ``routed`` (requests sent to each
-    replica so far), ties go to the one that was sent the fewest; remaining ties by ``rng``.
-    The keys are built inline, not by a function per candidate: this is the candidate scan of
-    every new key (``bench.decision_cost`` at N = 1,024)."""
+                 sent: Mapping[ReplicaId, float] | None = None, scale: float = 1.0) -> ReplicaView:
+    """The candidate with the least :func:`load`, or with ``sent`` the least ``load + sent``:
+    ``scale * sent[r]`` is the engine requests placed on ``r`` lately (``cache_policy.sent``:
+    stored values and the factor that decays them to now); ties by ``rng``. The keys are built
+    inline, not by a function per candidate: this is the candidate scan of every new key
+    (``bench.decision_cost`` at N = 1,024)."""
     assert candidates, "bug: least_loaded on no candidates"
-    if routed is None:
+    if sent is None:
         return pick_min(candidates, load, rng)
-    get = routed.get
-    return _first_of_min(candidates, [(c.in_flight + c.queued + c.num_waiting, get(c.replica_id, 0))
-                                      for c in candidates], rng)  # (load(c), routed)
+    get = sent.get
+    return _first_of_min(candidates, [c.in_flight + c.queued + c.num_waiting + scale * get(c.replica_id, 0.0)
+                                      for c in candidates], rng)  # load(c) + sent
 
 
 def longest_prefix(
@@ -93,6 +94,9 @@ class NoopHooks:
 
     def on_cache_reset(self, replica_id: ReplicaId) -> None:
         """Called when ``replica_id``'s prefix cache was emptied."""
+
+    def on_returned(self, replica_id: ReplicaId) -> None:
+        """Called when ``replica_id`` is healthy and in rotation again after it was not."""
 
     def check_integrity(self) -> None:
         """Stateless: nothing can be corrupt."""

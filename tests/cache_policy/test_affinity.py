@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 from collections import Counter
 
@@ -133,6 +134,7 @@ def test_miss_goes_to_less_loaded_despite_bigger_index(fleet2, req, hreq) -> Non
     for i in range(200):
         place(p, hreq([10_000 + 10 * i + k for k in range(5)]), "a")
     assert p.index.blocks_of(ReplicaId("a")) == 1000
+    p.sent.set(ReplicaId("a"), 0.0, 0.0)  # the index is what this is about, not the requests sent
     fleet2.set("a", in_flight=1)
     fleet2.set("b", in_flight=2)
     d = p.select(req(tokens(128, 7)), fleet2.list())
@@ -152,16 +154,36 @@ def test_ties_are_broken_by_rng_not_index_size(fleet2, hreq) -> None:
     assert firsts["a"] > 5 and firsts["b"] > 5
 
 
-def test_a_new_key_between_equally_loaded_replicas_goes_to_the_one_sent_fewer_requests(fleet2, hreq) -> None:
+def test_a_new_key_goes_to_the_least_load_plus_requests_sent(fleet2, hreq) -> None:
     for seed in range(20):
         p = policy(seed)
         for i in range(3):
             place(p, hreq([500 + i]), "a")
         place(p, hreq([600]), "b")
-        assert p.routed == {"a": 3, "b": 1}
-        assert p.select(hreq([1, 2]), fleet2.list()).replica_id == "b"  # tied on load: b was sent fewer
+        assert (p.sent.get("a", 0.0), p.sent.get("b", 0.0)) == (3, 1)
+        assert p.select(hreq([1, 2]), fleet2.list()).replica_id == "b"  # 0 + 1 < 0 + 3
     fleet2.set("b", in_flight=1)
-    assert p.select(hreq([1, 2]), fleet2.list()).replica_id == "a"  # load comes first
+    assert p.select(hreq([1, 2]), fleet2.list()).replica_id == "b"  # 1 + 1 < 0 + 3
+    fleet2.set("b", in_flight=3)
+    assert p.select(hreq([1, 2]), fleet2.list()).replica_id == "a"  # 3 + 1 > 0 + 3
+
+
+def test_requests_sent_count_less_as_they_age(fleet2, hreq) -> None:
+    # a was sent 3 at t = 0, b 2 at t = 60 (window 60 s): at t = 60 a counts 3/e = 1.10 < 2
+    p = policy(balance_window_s=60.0)
+    p.pins.advance(0.0)
+    for i in range(3):
+        place(p, hreq([500 + i]), "a")
+    p.pins.advance(60.0)
+    for i in range(2):
+        place(p, hreq([600 + i]), "b")
+    assert p.sent.get("a", 60.0) == pytest.approx(3 / math.e) and p.sent.get("b", 60.0) == pytest.approx(2)
+    assert p.select(hreq([1, 2]), fleet2.list()).replica_id == "a"
+    undecayed = policy(balance_window_s=1e12)  # about the lifetime totals: b, sent fewer
+    for rid, n in (("a", 3), ("b", 2)):
+        for i in range(n):
+            place(undecayed, hreq([700 + i]), rid)
+    assert undecayed.select(hreq([1, 2]), fleet2.list()).replica_id == "b"
 
 
 def test_a_replica_that_joins_or_comes_back_empty_counts_as_sent_as_few_as_the_least_sent(hreq) -> None:
@@ -170,12 +192,15 @@ def test_a_replica_that_joins_or_comes_back_empty_counts_as_sent_as_few_as_the_l
     for i in range(4):
         place(p, hreq([500 + i]), "a")
     place(p, hreq([600]), "b")
+
+    def counts():
+        return {rid: p.sent.get(rid, 0.0) for rid in p.sent}
     p.on_replicas_changed(["a", "b", "c"])  # joins late: not every new key until it has 4
-    assert p.routed == {"a": 4, "b": 1, "c": 1}
+    assert counts() == {"a": 4, "b": 1, "c": 1}
     p.forget_replica("a")  # restarted empty
-    assert p.routed == {"a": 1, "b": 1, "c": 1}
+    assert counts() == {"a": 1, "b": 1, "c": 1}
     p.on_replicas_changed(["b", "c"])
-    assert p.routed == {"b": 1, "c": 1}
+    assert counts() == {"b": 1, "c": 1}
 
 
 def test_cache_threshold(fleet2, hreq) -> None:

@@ -389,12 +389,12 @@ def test_a_new_session_goes_to_a_replica_with_session_room_rather_than_wait_on_a
     core = make(queue_timeout_s=30.0, session_fraction=0.5)
     sessions_end_at_20_and_two_live(core, fake_clock)
     core.add_replica(b, block_size=32, num_gpu_blocks=100)
-    core.policy.routed[b] = 99
+    core.policy.sent.set(b, 99, fake_clock.now())
     assert core.admission.sessions_full(core._view(A), fake_clock.now())
     job, adm = ask(core, fake_clock, 5, session="s3")
     assert (job.decision.replica_id, adm.verdict) == (b, "admit")
     core.finish(job, "ok", fake_clock.now())
-    other, _ = ask(core, fake_clock, 5)  # no session: the share does not apply, the tie-break does
+    other, _ = ask(core, fake_clock, 5)  # no session: the share does not apply, requests sent do
     assert other.decision.replica_id == A
     core.finish(other, "ok", fake_clock.now())
     turn, adm = ask(core, fake_clock, 6, session="s1")

@@ -40,3 +40,47 @@ def test_a_replica_whose_work_waits_in_admission_gets_no_new_key() -> None:
     fresh = core.open(RequestSpec(tokens(64, 20), session_id="s"), 0.0)
     assert core.place(fresh, 0.0).replica_id == r1  # r0: 1 running + 3 waiting in the router
     core.check_integrity()
+
+
+def _placed_and_finished(core: DecisionCore, n: int, seed: int, now: float) -> list[str]:
+    """Place ``n`` new prompts one after another, each finished at once (load stays 0)."""
+    out = []
+    for i in range(n):
+        job = core.open(RequestSpec(tokens(64, seed + i)), now)
+        out.append(core.place(job, now).replica_id)
+        core.admit(job, now)
+        core.finish(job, "ok", now)
+    return out
+
+
+def test_a_replica_back_in_service_is_not_sent_every_new_key_until_level() -> None:
+    # r1 is out (unhealthy, then out of rotation) while r0 is sent 40 new prompts; back, it
+    # starts level with r0: the next 10 split evenly. Left at its count it took all 10 (and
+    # would have taken the next 30), the burst `cache_policy.sent.RecentlySent.level` prevents.
+    for take_out, put_back in (
+        (lambda core, rid: core.set_health(rid, False), lambda core, rid: core.set_health(rid, True)),
+        (lambda core, rid: core.set_rotation(rid, "draining"), lambda core, rid: core.set_rotation(rid, None)),
+    ):
+        core = DecisionCore(PolicyConfig(balance_window_s=1e9))
+        r0, r1 = ReplicaId("r0"), ReplicaId("r1")
+        for rid in (r0, r1):
+            core.add_replica(rid, block_size=32, num_gpu_blocks=1000)
+        take_out(core, r1)
+        assert set(_placed_and_finished(core, 40, 100, 1.0)) == {r0}
+        put_back(core, r1)
+        after = _placed_and_finished(core, 10, 200, 2.0)
+        assert after.count(r1) in (5, 6), after
+        core.check_integrity()
+
+
+def test_without_the_levelling_a_returning_replica_takes_every_new_key() -> None:
+    # the same run with the hook skipped: what the test above guards against
+    core = DecisionCore(PolicyConfig(balance_window_s=1e9))
+    r0, r1 = ReplicaId("r0"), ReplicaId("r1")
+    for rid in (r0, r1):
+        core.add_replica(rid, block_size=32, num_gpu_blocks=1000)
+    core.set_health(r1, False)
+    _placed_and_finished(core, 40, 100, 1.0)
+    core.policy.on_returned = lambda rid: None  # type: ignore[method-assign]
+    core.set_health(r1, True)
+    assert _placed_and_finished(core, 10, 200, 2.0) == [r1] * 10
