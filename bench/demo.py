@@ -98,7 +98,7 @@ def render(results: list[RunResult], console: Console) -> dict[str, float]:
     for r in results:
         table.add_row(r.workload, r.router, str(r.requests), f"{r.prompt_tokens:,}", f"{r.prefix_cache_hits:,}",
                       f"{r.prefilled_tokens:,}",
-                      " ".join(f"{k}: {n} / {r.prefilled_per_replica.get(k, 0):,}" for k, n in r.requests_per_replica.items()),
+                      "\n".join(f"{k}: {n} / {r.prefilled_per_replica.get(k, 0):,}" for k, n in r.requests_per_replica.items()),
                       f"{r.wall_s:.1f}")
     console.print(table)
     ratios = {}
@@ -138,7 +138,7 @@ async def run_demo(cfg: AppConfig, grpo: GrpoWorkload, agent: AgentWorkload, out
                    routers: Sequence[str] = ("prefix_affinity", "round_robin")) -> dict:
     """Start the replicas, run both workloads under each router, print and save the results."""
     console = Console(width=150)
-    console.print(f"starting {cfg.replicas.replica_count} vLLM replica(s) under Ray ...")
+    console.print(f"starting {cfg.replicas.replica_count} vLLM replica(s) under Ray (about 2 minutes on 2 cores) ...")
     tokenizer = PromptTokenizer(tokenizer_path(cfg))
     async with ReplicaSet(cfg.replicas) as replica_set:
         endpoints = replica_set.endpoints

