@@ -184,6 +184,10 @@ class AdmissionState:
         asked once per replica started 5-6 sessions together where one fitted, and their
         contexts outgrew the cache: ``bench.sim`` agents 1.9x ideal at 4 replicas).
 
+        A replica holding no session always has room for one (one large session, live or ended,
+        would otherwise make every replica full for good: no session could start and teach a
+        smaller size; a fresh attacker's case).
+
         The bound before any session ended is a lower bound that grows with the sessions: without
         it every session arriving in a fleet's first minute started, a few replicas got more than
         their caches could keep, and their turns re-prefilled until those sessions ended
@@ -200,7 +204,7 @@ class AdmissionState:
                    if rec.parked and rec.last_seen >= recent)
         held += sum(max(expected, t.blocks) for t in self.ledger.tickets(rid) if t.session_id is not None)
         held += sum(max(expected, blocks) for blocks in opening)
-        return held + expected > self.cfg.session_fraction * self.cfg.high_watermark * cap
+        return held > 0 and held + expected > self.cfg.session_fraction * self.cfg.high_watermark * cap
 
     def touched(self, rid: ReplicaId, stamps: list[int]) -> None:
         """A request took free blocks released at ``stamps`` out of ``rid``'s free queue (its

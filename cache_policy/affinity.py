@@ -112,10 +112,10 @@ class PrefixAffinityPolicy:
         """``replica_id``'s prefix cache was emptied: predict no hits there (pins stay)."""
         self.index.remove_replica(replica_id)
 
-    def on_returned(self, replica_id: ReplicaId) -> None:
-        """``replica_id`` is back in service: it was sent nothing while out, and at its count it
-        would take every new key until level again (a burst onto one replica)."""
-        self.sent.level(replica_id, keep_higher=True)
+    def on_service(self, replica_id: ReplicaId, in_service: bool) -> None:
+        """``replica_id`` went out of service or came back: back, it was sent nothing while out,
+        and at its count it would take every new key until level again (a burst onto one replica)."""
+        self.sent.set_in_service(replica_id, in_service)
 
     def forget_replica(self, replica_id: ReplicaId) -> None:
         """Forget ``replica_id``'s pins and blocks (it left, restarted or flushed its cache)."""

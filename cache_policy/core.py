@@ -241,12 +241,12 @@ class DecisionCore:
         rec = self.replicas.get(rid)
         if rec is None:
             return
-        was, rec.healthy = rec.healthy, healthy
+        was = self._in_service(rid)
+        rec.healthy = healthy
         self._changed.add(rid)
+        self._service_changed(rid, was)
         if healthy:
             rec.failures = 0
-            if not was and rid not in self.versions.rotation:
-                self.policy.on_returned(rid)
         else:
             self._drop_queue(rid)
 
@@ -285,15 +285,26 @@ class DecisionCore:
         """Take ``rid`` out of rotation for ``reason``, or (None) put it back. Jobs queued for
         ``rid`` come back from ``pump`` as ``replica_gone`` (placed again: a weight update must
         not find them admitted to a paused engine, nor run them on weights they were not salted for)."""
+        was = self._in_service(rid)
         if reason is None:
-            rec = self.replicas.get(rid)
-            if self.versions.rotation.pop(rid, None) is not None and rec is not None and rec.healthy:
-                self.policy.on_returned(rid)
+            self.versions.rotation.pop(rid, None)
         elif rid not in self.replicas:  # it left: out of rotation for good (an "updating" would stick)
             return
         else:
             self.versions.rotation[rid] = reason
             self._drop_queue(rid)
+        self._service_changed(rid, was)
+
+    def _in_service(self, rid: ReplicaId) -> bool:
+        """Whether ``rid`` is here, healthy and in rotation."""
+        rec = self.replicas.get(rid)
+        return rec is not None and rec.healthy and rid not in self.versions.rotation
+
+    def _service_changed(self, rid: ReplicaId, was: bool) -> None:
+        """Tell the policy when ``rid`` went out of service or came back (``Policy.on_service``)."""
+        now = self._in_service(rid)
+        if now != was:
+            self.policy.on_service(rid, now)
 
     def adopt_pin(self, kind: str, key: str | None, rid: ReplicaId | None,
                   start_version: int | None = None, now: float | None = None) -> None:
@@ -332,7 +343,11 @@ class DecisionCore:
         """Adopt another router's version snapshot; the replicas whose loaded version changed.
         Placements waiting on rotation should be woken by the caller."""
         self._changed.update(self.replicas)  # loaded versions may change under any replica
-        return sharing.apply_versions(self.versions, snapshot, list(self.replicas))
+        was = {rid: self._in_service(rid) for rid in self.replicas}  # rotation may change too
+        moved = sharing.apply_versions(self.versions, snapshot, list(self.replicas))
+        for rid, before in was.items():
+            self._service_changed(rid, before)
+        return moved
 
     def unconfirm_versions(self) -> None:
         """Versions could not be confirmed (shared state unreachable at start): salt nothing

@@ -95,8 +95,8 @@ class NoopHooks:
     def on_cache_reset(self, replica_id: ReplicaId) -> None:
         """Called when ``replica_id``'s prefix cache was emptied."""
 
-    def on_returned(self, replica_id: ReplicaId) -> None:
-        """Called when ``replica_id`` is healthy and in rotation again after it was not."""
+    def on_service(self, replica_id: ReplicaId, in_service: bool) -> None:
+        """Called when ``replica_id`` went out of service (unhealthy or out of rotation) or came back."""
 
     def check_integrity(self) -> None:
         """Stateless: nothing can be corrupt."""

@@ -51,7 +51,10 @@ class RecentlySent:
             raise ValueError(f"balance_window_s must be > 0, got {window_s}")
         self.window_s = window_s
         self._raw: dict[ReplicaId, float] = {}
-        self._epoch = 0.0
+        self._epoch: float | None = None
+        """Time the stored values are scaled to: the first finite clock reading, then each rebase."""
+        self._out: set[ReplicaId] = set()
+        """Replicas out of service (unhealthy or out of rotation): their counts set no level."""
 
     def __contains__(self, rid: object) -> bool:
         return rid in self._raw
@@ -61,7 +64,7 @@ class RecentlySent:
 
     def scale(self, now: float) -> float:
         """The factor that turns a stored value into its decayed count at ``now`` (<= 1)."""
-        if not math.isfinite(now) or now <= self._epoch:
+        if self._epoch is None or not math.isfinite(now) or now <= self._epoch:
             return 1.0
         return math.exp(-(now - self._epoch) / self.window_s)
 
@@ -86,17 +89,35 @@ class RecentlySent:
 
     def level(self, rid: ReplicaId, *, keep_higher: bool = False) -> None:
         """``rid`` joins, is back empty or back in service: level with the least-sent other
-        replica, not below it (at its own count it would be sent every new key until it caught
-        up). ``keep_higher``: a count already above that level stays."""
-        floor = min((v for r, v in self._raw.items() if r != rid), default=0.0)
-        self._raw[rid] = max(floor, self._raw.get(rid, 0.0)) if keep_higher else floor
+        replica in service, not below it (at its own count it would be sent every new key until
+        it caught up; a replica out of service was sent nothing either, so it sets no level).
+        ``keep_higher``: a count already above that level stays."""
+        own = self._raw.get(rid, 0.0)
+        floor = min((v for r, v in self._raw.items() if r != rid and r not in self._out), default=None)
+        if floor is None:
+            self._raw[rid] = own if keep_higher else 0.0
+        else:
+            self._raw[rid] = max(floor, own) if keep_higher else floor
+
+    def set_in_service(self, rid: ReplicaId, in_service: bool) -> None:
+        """``rid`` went out of service, or came back (then it is levelled, its count kept if higher)."""
+        if in_service:
+            self._out.discard(rid)
+            self.level(rid, keep_higher=True)
+        else:
+            self._out.add(rid)
 
     def drop(self, rid: ReplicaId) -> None:
         """Forget ``rid`` (it left)."""
         self._raw.pop(rid, None)
+        self._out.discard(rid)
 
     def _rebase(self, now: float) -> None:
-        if math.isfinite(now) and now - self._epoch > REBASE_WINDOWS * self.window_s:
+        if not math.isfinite(now):
+            return
+        if self._epoch is None:
+            self._epoch = now
+        elif now - self._epoch > REBASE_WINDOWS * self.window_s:
             factor = self.scale(now)
             self._raw = {rid: v * factor for rid, v in self._raw.items()}
             self._epoch = now

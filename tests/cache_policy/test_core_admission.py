@@ -470,3 +470,25 @@ def test_a_session_that_goes_idle_without_an_end_teaches_the_size_sessions_end_a
     _, adm = ask(core, fake_clock, 5, session="s3")
     assert (adm.verdict, adm.reason) == ("queue", "session_budget")
     core.check_integrity()
+
+
+def test_a_replica_holding_no_session_always_starts_one(fake_clock):
+    # one session's turn holds 70 of 100 blocks: counted at that size, a session could never fit
+    # the share (0.75 * 0.85 * 100 = 63.75) anywhere, and none could ever start and teach a
+    # smaller size (a fresh attacker's lockout). A replica holding no session takes one.
+    b = ReplicaId("replica-1")
+    core = make(queue_timeout_s=30.0, session_idle_s=10.0)
+    core.add_replica(b, block_size=32, num_gpu_blocks=100)
+    job = core.open(RequestSpec(tokens(60), "big", new_tokens=32 * 10), fake_clock.now())
+    assert core.place(job, fake_clock.now(), only=A) is not None and core.admit(job, fake_clock.now()).verdict == "admit"
+    core.finish(job, "ok", fake_clock.now())
+    assert core.admission.largest_session_blocks == 70
+    small, adm = ask(core, fake_clock, 2, session="small")
+    assert (small.decision.replica_id, adm.verdict) == (b, "admit")  # B holds no session
+    core.finish(small, "ok", fake_clock.now())
+    fake_clock.advance(10.5)  # both idle: "big"'s 70 blocks become the size sessions end at
+    core.pump(fake_clock.now())
+    assert core.admission.session_blocks is not None and core.admission.session_blocks >= 70 * 0.9
+    started = [ask(core, fake_clock, 2, session=f"s{i}")[1].verdict for i in range(2)]
+    assert started == ["admit", "admit"]  # one per replica, each holding none
+    core.check_integrity()

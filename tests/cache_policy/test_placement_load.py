@@ -57,20 +57,47 @@ def test_a_replica_back_in_service_is_not_sent_every_new_key_until_level() -> No
     # r1 is out (unhealthy, then out of rotation) while r0 is sent 40 new prompts; back, it
     # starts level with r0: the next 10 split evenly. Left at its count it took all 10 (and
     # would have taken the next 30), the burst `cache_policy.sent.RecentlySent.level` prevents.
+    # r2 is out of service the whole time (sent nothing): it must not set the level
     for take_out, put_back in (
         (lambda core, rid: core.set_health(rid, False), lambda core, rid: core.set_health(rid, True)),
         (lambda core, rid: core.set_rotation(rid, "draining"), lambda core, rid: core.set_rotation(rid, None)),
     ):
         core = DecisionCore(PolicyConfig(balance_window_s=1e9))
-        r0, r1 = ReplicaId("r0"), ReplicaId("r1")
-        for rid in (r0, r1):
+        r0, r1, r2, r3 = (ReplicaId(f"r{i}") for i in range(4))
+        for rid in (r0, r1, r2):
             core.add_replica(rid, block_size=32, num_gpu_blocks=1000)
+        take_out(core, r2)
         take_out(core, r1)
         assert set(_placed_and_finished(core, 40, 100, 1.0)) == {r0}
         put_back(core, r1)
         after = _placed_and_finished(core, 10, 200, 2.0)
         assert after.count(r1) in (5, 6), after
+        core.add_replica(r3, block_size=32, num_gpu_blocks=1000)  # joins while r2 is still out
+        joined = _placed_and_finished(core, 9, 300, 3.0)
+        assert joined.count(r3) in (3, 4), joined
         core.check_integrity()
+
+
+def test_a_replica_put_back_by_another_router_is_levelled_too() -> None:
+    # shared state (cache_policy.sharing.apply_versions) can take a replica out of rotation and
+    # put it back: the same levelling as set_rotation
+    core = DecisionCore(PolicyConfig(balance_window_s=1e9))
+    r0, r1 = ReplicaId("r0"), ReplicaId("r1")
+    for rid in (r0, r1):
+        core.add_replica(rid, block_size=32, num_gpu_blocks=1000)
+    core.set_rotation(r1, "updating")
+    out = core.versions_snapshot()
+    core.set_rotation(r1, None)
+    back = core.versions_snapshot()
+    core.set_rotation(r1, "updating")
+    core.apply_versions(out)  # as another router sees it: r1 updating
+    assert core.versions.rotation.get(r1) == "updating"
+    assert set(_placed_and_finished(core, 40, 100, 1.0)) == {r0}
+    core.apply_versions(back)  # another router's snapshot: r1 back in rotation
+    assert r1 not in core.versions.rotation
+    after = _placed_and_finished(core, 10, 200, 2.0)
+    assert after.count(r1) in (5, 6), after
+    core.check_integrity()
 
 
 def test_without_the_levelling_a_returning_replica_takes_every_new_key() -> None:
@@ -81,6 +108,6 @@ def test_without_the_levelling_a_returning_replica_takes_every_new_key() -> None
         core.add_replica(rid, block_size=32, num_gpu_blocks=1000)
     core.set_health(r1, False)
     _placed_and_finished(core, 40, 100, 1.0)
-    core.policy.on_returned = lambda rid: None  # type: ignore[method-assign]
+    core.policy.on_service = lambda rid, in_service: None  # type: ignore[method-assign]
     core.set_health(r1, True)
     assert _placed_and_finished(core, 10, 200, 2.0) == [r1] * 10

@@ -54,3 +54,9 @@ def test_a_clock_never_advanced_means_no_decay_and_level_and_drop():
 def test_a_window_that_is_not_positive_is_refused(window):
     with pytest.raises(ValueError, match="balance_window_s"):
         RecentlySent(window)
+
+
+def test_a_clock_that_starts_below_zero_decays_too():
+    sent = RecentlySent(300.0)
+    sent.add("a", 1, -600.0)
+    assert sent.get("a", -300.0) == pytest.approx(math.exp(-1))
