@@ -53,6 +53,15 @@ def _placed_and_finished(core: DecisionCore, n: int, seed: int, now: float) -> l
     return out
 
 
+def _fleet(n: int) -> tuple[DecisionCore, list[ReplicaId]]:
+    """A core with lifetime request counts (window 1e9 s) over ``n`` replicas r0..r(n-1)."""
+    core = DecisionCore(PolicyConfig(balance_window_s=1e9))
+    rids = [ReplicaId(f"r{i}") for i in range(n)]
+    for rid in rids:
+        core.add_replica(rid, block_size=32, num_gpu_blocks=1000)
+    return core, rids
+
+
 def test_a_replica_back_in_service_is_not_sent_every_new_key_until_level() -> None:
     # r1 is out (unhealthy, then out of rotation) while r0 is sent 40 new prompts; back, it
     # starts level with r0: the next 10 split evenly. Left at its count it took all 10 (and
@@ -62,10 +71,8 @@ def test_a_replica_back_in_service_is_not_sent_every_new_key_until_level() -> No
         (lambda core, rid: core.set_health(rid, False), lambda core, rid: core.set_health(rid, True)),
         (lambda core, rid: core.set_rotation(rid, "draining"), lambda core, rid: core.set_rotation(rid, None)),
     ):
-        core = DecisionCore(PolicyConfig(balance_window_s=1e9))
-        r0, r1, r2, r3 = (ReplicaId(f"r{i}") for i in range(4))
-        for rid in (r0, r1, r2):
-            core.add_replica(rid, block_size=32, num_gpu_blocks=1000)
+        core, (r0, r1, r2) = _fleet(3)
+        r3 = ReplicaId("r3")
         take_out(core, r2)
         take_out(core, r1)
         assert set(_placed_and_finished(core, 40, 100, 1.0)) == {r0}
@@ -81,10 +88,7 @@ def test_a_replica_back_in_service_is_not_sent_every_new_key_until_level() -> No
 def test_a_replica_put_back_by_another_router_is_levelled_too() -> None:
     # shared state (cache_policy.sharing.apply_versions) can take a replica out of rotation and
     # put it back: the same levelling as set_rotation
-    core = DecisionCore(PolicyConfig(balance_window_s=1e9))
-    r0, r1 = ReplicaId("r0"), ReplicaId("r1")
-    for rid in (r0, r1):
-        core.add_replica(rid, block_size=32, num_gpu_blocks=1000)
+    core, (r0, r1) = _fleet(2)
     core.set_rotation(r1, "updating")
     out = core.versions_snapshot()
     core.set_rotation(r1, None)
@@ -102,10 +106,7 @@ def test_a_replica_put_back_by_another_router_is_levelled_too() -> None:
 
 def test_without_the_levelling_a_returning_replica_takes_every_new_key() -> None:
     # the same run with the hook skipped: what the test above guards against
-    core = DecisionCore(PolicyConfig(balance_window_s=1e9))
-    r0, r1 = ReplicaId("r0"), ReplicaId("r1")
-    for rid in (r0, r1):
-        core.add_replica(rid, block_size=32, num_gpu_blocks=1000)
+    core, (r0, r1) = _fleet(2)
     core.set_health(r1, False)
     _placed_and_finished(core, 40, 100, 1.0)
     core.policy.on_service = lambda rid, in_service: None  # type: ignore[method-assign]
