@@ -17,13 +17,19 @@ def group_members(pgid: int) -> list[int]:
         if not name.isdigit():
             continue
         stat = _stat(int(name))
-        if stat is not None and stat[1] == pgid and stat[0] != "Z":
+        if stat is not None and stat[2] == pgid and stat[0] != "Z":
             members.append(int(name))
     return sorted(members)
 
 
-def _stat(pid: int) -> tuple[str, int] | None:
-    """(state, pgid) of ``pid`` from ``/proc/<pid>/stat``; None if it is gone or unreadable."""
+def parent_of(pid: int) -> int | None:
+    """The parent pid of ``pid``; None if it is gone or unreadable."""
+    stat = _stat(pid)
+    return stat[1] if stat is not None else None
+
+
+def _stat(pid: int) -> tuple[str, int, int] | None:
+    """(state, ppid, pgid) of ``pid`` from ``/proc/<pid>/stat``; None if it is gone or unreadable."""
     try:
         with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
             text = f.read()
@@ -31,6 +37,6 @@ def _stat(pid: int) -> tuple[str, int] | None:
         return None
     # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses, so split after the last ")"
     fields = text[text.rfind(")") + 2:].split()
-    if len(fields) < 3 or not fields[2].lstrip("-").isdigit():
+    if len(fields) < 3 or not fields[1].lstrip("-").isdigit() or not fields[2].lstrip("-").isdigit():
         return None
-    return fields[0], int(fields[2])
+    return fields[0], int(fields[1]), int(fields[2])

@@ -24,7 +24,7 @@ from collections import deque
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 
-from replicas.procs import group_members
+from replicas.procs import group_members, parent_of
 
 
 class EngineBrake:
@@ -171,12 +171,13 @@ def engine_core_pids(pgid: int) -> list[int]:
     out, untitled = [], []
     leader = _cmdline(pgid)
     for pid in group_members(pgid):
+        cmdline = _cmdline(pid)
+        if cmdline is None:
+            continue
+        titled = b"EngineCore" in cmdline
+        if pid != pgid and parent_of(pid) == pgid and (cmdline == leader or b"spawn_main" in cmdline):
+            untitled.append(pid)
         try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmdline = f.read()
-            titled = b"EngineCore" in cmdline
-            if pid != pgid and _ppid(pid) == pgid and (cmdline == leader or b"spawn_main" in cmdline):
-                untitled.append(pid)
             if not titled:
                 with open(f"/proc/{pid}/comm", "rb") as f:
                     titled = f.read().startswith(b"VLLM::EngineCor")
@@ -193,15 +194,6 @@ def _cmdline(pid: int) -> bytes | None:
             return f.read()
     except OSError:
         return None
-
-
-def _ppid(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            text = f.read()
-    except OSError:
-        return None
-    return int(text[text.rfind(b")") + 2:].split()[1])  # "pid (comm) state ppid ..."
 
 
 def _cmdlines(pids: list[int]) -> dict[int, str]:
