@@ -8,9 +8,16 @@ DESIGN rules 4 and 6, seed 003 ("The cache after a weight update"). The book hol
                newest one <= it, so training steps without a weight change keep one salt
     loaded     per replica, the version it serves
     log        per replica, the versions loaded over time: what a request saw while it ran
+               (the newest ``LOG_KEPT`` to ``2 * LOG_KEPT`` entries; marks are absolute)
     rotation   replicas kept out of routing, with the reason ("updating", "failed: <why>")
     cached     per replica, the versions whose KV its prefix cache may hold (since its last
-               confirmed reset): what an unsalted request there may reuse
+               confirmed reset), ascending: what an unsalted request there may reuse
+
+A router left running for days with an update every step (issue 15's soak, ``bench.soak``):
+``history`` and ``cached`` keep one int per version loaded (since the last reset, for
+``cached``), which is what the contract needs (a ``keep`` answer lists every version its KV may
+come from); every per-request and per-update operation on them is a bisection, not a scan, so
+a request costs the same on day seven as on day one. ``log`` is cut to its newest entries.
 
 The version contract (DESIGN rule 6, README "Version contract"): a request whose salt names
 version s is *strict* (``SaltChoice.pins_version``) unless it is a keep+salt session or group
@@ -40,6 +47,11 @@ import msgspec
 from cache_policy.registry import KeyRegistry
 from cache_policy.salts import WEIGHT_UPDATE_POLICIES, WeightUpdatePolicy, cache_salt_for_version, choose_salt
 from cache_policy.types import ReplicaId
+
+LOG_KEPT = 64
+"""Entries of a replica's version log kept (cut back to this once it doubles). A request whose
+mark fell off the kept part has seen at least ``LOG_KEPT`` updates since: it reads as moved
+(:meth:`VersionBook.versions_since`), which it is."""
 
 
 class SaltChoice(msgspec.Struct, frozen=True):
@@ -86,8 +98,11 @@ class VersionBook:
         """How many replicas of ``loaded`` serve each version: :meth:`excluded` skips its scan
         when every replica serves the request's version (at 1,024 replicas the scan was ~0.1 ms)."""
         self._log: dict[ReplicaId, list[int]] = {}
+        self._log_base: dict[ReplicaId, int] = {}
+        """Per replica, the absolute position of ``_log[rid][0]`` (entries before it were cut)."""
         self.rotation: dict[ReplicaId, str] = {}
         self._cached: dict[ReplicaId, list[int]] = {}
+        """Per replica, ascending (bisected, never scanned: one entry per version since the reset)."""
 
     # -- salts --------------------------------------------------------------------------------
 
@@ -144,9 +159,11 @@ class VersionBook:
         cached = self._cached.get(rid) or ([] if self.loaded.get(rid) is None else [self.loaded[rid]])
         if choice.salt_version is None:
             return list(cached)
+        salt_version = choice.salt_version
         if choice.pins_version:
-            return [choice.salt_version]
-        return sorted({choice.salt_version} | {v for v in cached if v >= choice.salt_version})
+            return [salt_version]
+        later = cached[bisect.bisect_left(cached, salt_version):]  # ascending: the versions >= the salt's
+        return later if later and later[0] == salt_version else [salt_version, *later]
 
     def cache_reset(self, rid: ReplicaId) -> None:
         """``rid``'s prefix cache was emptied: from now on it holds KV of its loaded version only."""
@@ -163,33 +180,37 @@ class VersionBook:
         log = self._log.setdefault(rid, [])
         if version is not None and (not log or log[-1] != version):
             log.append(version)
-            cached = self._cached.setdefault(rid, [])
-            if version not in cached:
-                cached.append(version)
-            if version not in self.history:
-                bisect.insort(self.history, version)
+            if len(log) > 2 * LOG_KEPT:
+                cut = len(log) - LOG_KEPT
+                del log[:cut]
+                self._log_base[rid] = self._log_base.get(rid, 0) + cut
+            _insert_sorted(self._cached.setdefault(rid, []), version)
+            _insert_sorted(self.history, version)
 
     def mark(self, rid: ReplicaId) -> int:
-        """A position in ``rid``'s version log; pass it to :meth:`versions_since`."""
-        return max(0, len(self._log.get(rid, [])) - 1)
+        """A position in ``rid``'s version log (absolute: it survives the log being cut); pass it
+        to :meth:`versions_since`."""
+        return self._log_base.get(rid, 0) + max(0, len(self._log.get(rid, ())) - 1)
 
     def versions_since(self, rid: ReplicaId, mark: int) -> list[int]:
-        """Versions ``rid`` served from ``mark`` until now (more than one: mixed tokens)."""
-        return list(self._log.get(rid, [])[mark:])
+        """Versions ``rid`` served from ``mark`` until now (more than one: mixed tokens). A mark
+        older than the kept log (:data:`LOG_KEPT` updates ago and more) gets every kept entry,
+        all of them loaded after it: more than one, as the whole log would say."""
+        return list(self._log.get(rid, ())[max(0, mark - self._log_base.get(rid, 0)):])
 
     def finish_update(self, version: int, policy: WeightUpdatePolicy) -> None:
         """An update to ``version`` under ``policy`` reached at least one replica."""
         check_policy(policy)
         self.current = version if self.current is None else max(self.current, version)
         self.policy = policy
-        if version not in self.history:
-            bisect.insort(self.history, version)
+        _insert_sorted(self.history, version)
 
     def forget_replica(self, rid: ReplicaId) -> None:
         """``rid`` left the fleet."""
         self._count_out(rid)
         self.loaded.pop(rid, None)
         self._log.pop(rid, None)
+        self._log_base.pop(rid, None)
         self._cached.pop(rid, None)
         self.rotation.pop(rid, None)
 
@@ -209,12 +230,20 @@ class VersionBook:
                 del self._on_version[old]
 
     def check_integrity(self) -> None:
-        """Raise ``RuntimeError('bug: ...')`` if the per-version counts disagree with ``loaded``."""
+        """Raise ``RuntimeError('bug: ...')`` if the per-version counts disagree with ``loaded``, or
+        ``history`` or a replica's cached versions are not strictly ascending (they are bisected),
+        or a version log outgrew its bound."""
         counts: dict[int | None, int] = {}
         for version in self.loaded.values():
             counts[version] = counts.get(version, 0) + 1
         if counts != self._on_version:
             raise RuntimeError(f"bug: replicas per version {self._on_version} != {counts} in loaded")
+        for name, versions in (("history", self.history), *((f"cached of {r}", c) for r, c in self._cached.items())):
+            if any(a >= b for a, b in zip(versions, versions[1:])):
+                raise RuntimeError(f"bug: {name} is not strictly ascending: {versions}")
+        for rid, log in self._log.items():
+            if len(log) > 2 * LOG_KEPT:
+                raise RuntimeError(f"bug: the version log of {rid} holds {len(log)} entries (at most {2 * LOG_KEPT})")
 
     # -- rotation -----------------------------------------------------------------------------
 
@@ -241,6 +270,13 @@ class VersionBook:
                                "out_of_rotation_reason": self.rotation.get(rid)}
                          for rid, v in self.loaded.items()},
         }
+
+
+def _insert_sorted(versions: list[int], version: int) -> None:
+    """Add ``version`` to the ascending ``versions`` unless it is there (a bisection, not a scan)."""
+    i = bisect.bisect_left(versions, version)
+    if i == len(versions) or versions[i] != version:
+        versions.insert(i, version)
 
 
 def check_policy(policy: str) -> None:

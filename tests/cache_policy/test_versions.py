@@ -185,3 +185,90 @@ def test_excluded_equals_the_scan_under_any_loaded_history():
                 assert book.excluded(choice) == want
 
     run()
+
+
+def test_versions_since_and_kv_versions_agree_with_the_whole_log_under_any_history():
+    """The book keeps a replica's version log cut to its newest entries (``LOG_KEPT``) and its
+    cached versions ascending, read by bisection: under generated histories (versions up and down,
+    repeats, resets, departures) and marks taken at any time, ``kv_versions`` equals the plain
+    scan of every version loaded since the last reset, and ``versions_since`` equals the slice of
+    the whole log while the mark is kept, and says "moved" (more than one) exactly when the whole
+    log does once it is not."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from cache_policy import versions as V
+    from cache_policy.versions import SaltChoice
+
+    rids = [ReplicaId("replica-0"), ReplicaId("replica-1")]
+    op = st.one_of(st.tuples(st.just("load"), st.sampled_from(rids), st.integers(0, 40)),
+                   st.tuples(st.just("climb"), st.sampled_from(rids), st.integers(1, 30)),
+                   st.tuples(st.just("reset"), st.sampled_from(rids), st.none()),
+                   st.tuples(st.just("leave"), st.sampled_from(rids), st.none()),
+                   st.tuples(st.just("mark"), st.sampled_from(rids), st.none()))
+
+    @settings(max_examples=300, deadline=None)
+    @given(st.lists(op, max_size=40), st.integers(0, 45))
+    def run(ops, salt_version):
+        book = VersionBook("keep+salt", 0)
+        log: dict = {}  # the whole log per replica, and the versions cached since the last reset
+        cached: dict = {}
+        marks = []  # (replica, the book's mark, the position in the whole log)
+        for kind, rid, arg in ops:
+            steps = [arg] if kind == "load" else [book.loaded.get(rid, 0) or 0] if kind == "climb" else []
+            if kind == "climb":  # many updates in a row: the log is cut
+                steps = list(range(steps[0] + 1, steps[0] + 1 + arg * 5))
+            for version in steps:
+                whole = log.setdefault(rid, [])
+                if not whole or whole[-1] != version:
+                    whole.append(version)
+                    cached.setdefault(rid, set()).add(version)
+                book.set_loaded(rid, version)
+            if kind == "reset":
+                book.cache_reset(rid)
+                cached[rid] = {book.loaded[rid]} if book.loaded.get(rid) is not None else set()
+            elif kind == "leave":
+                book.forget_replica(rid)
+                log.pop(rid, None), cached.pop(rid, None)
+                marks = [m for m in marks if m[0] != rid]
+            elif kind == "mark":
+                marks.append((rid, book.mark(rid), max(0, len(log.get(rid, [])) - 1)))
+            book.check_integrity()
+            for r in rids:
+                assert len(book._log.get(r, [])) <= 2 * V.LOG_KEPT
+                held = cached.get(r) or ({book.loaded[r]} if book.loaded.get(r) is not None else set())
+                assert book.kv_versions(r, SaltChoice(None, None, None)) == sorted(held)
+                continuing = SaltChoice("x", salt_version + 1, salt_version)  # keep+salt, started before
+                assert book.kv_versions(r, continuing) == sorted({salt_version} | {v for v in held if v >= salt_version})
+            for r, mark, position in marks:
+                got, want = book.versions_since(r, mark), log.get(r, [])[position:]
+                if mark >= book._log_base.get(r, 0):
+                    assert got == want
+                else:
+                    assert len(want) > 1 and len(got) > 1
+
+    run()
+
+
+def test_a_week_of_updates_every_step_keeps_the_version_log_bounded():
+    """A trainer updating weights every step for a week (20,000 updates, one every 30 s) on 8
+    replicas: each replica's log stays within ``2 * LOG_KEPT`` entries, a request marked before
+    the first update reads as moved, one marked at the last reads one version, and a continuing
+    keep+salt key started 10 updates ago reads those 11 versions."""
+    from cache_policy.versions import LOG_KEPT, SaltChoice
+
+    rids = [ReplicaId(f"replica-{i}") for i in range(8)]
+    book = VersionBook("keep+salt", 0)
+    for rid in rids:
+        book.set_loaded(rid, 0)
+    first = book.mark(rids[0])
+    for version in range(1, 20_001):
+        for rid in rids:
+            book.set_loaded(rid, version)
+        book.finish_update(version, "keep+salt")
+    book.check_integrity()
+    assert all(len(book._log[rid]) <= 2 * LOG_KEPT for rid in rids)
+    assert len(book.versions_since(rids[0], first)) > 1
+    assert book.versions_since(rids[0], book.mark(rids[0])) == [20_000]
+    assert book.kv_versions(rids[3], SaltChoice("rr:v19990", 20_000, 19_990)) == list(range(19_990, 20_001))
+    assert book.resolve(12_345) == 12_345 and book.history[-1] == 20_000
