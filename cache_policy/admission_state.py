@@ -228,6 +228,11 @@ class AdmissionState:
             if len(taken) > TOUCHED_KEPT:
                 del taken[:len(taken) - TOUCHED_KEPT]
 
+    def sizes(self) -> dict[str, int]:
+        """Entries held: ``queued`` requests, the ledger's (:meth:`KvLedger.sizes`) and
+        ``touched_stamps`` (at most ``TOUCHED_KEPT`` per replica)."""
+        return {"queued": len(self.queue), **self.ledger.sizes(), "touched_stamps": sum(map(len, self._touched.values()))}
+
     def forget_replica(self, rid: ReplicaId) -> None:
         """``rid`` left or lost its cache: its free-queue bookkeeping goes."""
         self._touched.pop(rid, None)

@@ -725,6 +725,21 @@ class DecisionCore:
     def queue_length(self) -> int:
         return len(self.admission.queue)
 
+    def state_sizes(self) -> dict[str, int]:
+        """Entries each part of the state holds now, by name: what a router left running for days
+        must keep bounded (``bench.soak``; the ``rollout_router_state_entries`` gauge). Per request,
+        back to 0 once nothing is in flight: ``jobs_queued``, ``queued``, ``tickets``,
+        ``running_groups``, ``held_blocks``, ``unheld``; bounded by the config: ``keys`` (``max_pins``),
+        ``index_blocks`` (``max_index_blocks``), ``touched_stamps``, ``free_stamps`` and
+        ``version_log`` (per replica); one per version loaded: ``history`` and ``cached_versions``
+        (the version contract lists them, ``cache_policy.versions``); the rest follow the replicas."""
+        self._settle_holds()
+        index = self.prefix_index()
+        return {"replicas": len(self.replicas), "views": len(self._views), "jobs_queued": len(self._jobs),
+                "outbox": len(self._outbox), "unheld": len(self._unheld), **self.registry.sizes(),
+                **(index.sizes() if index is not None else {}), **self.admission.sizes(), **self.free_queue.sizes(),
+                **self.versions.sizes()}
+
     def check_integrity(self) -> None:
         """Raise ``RuntimeError('bug: ...')`` if any part of the state is corrupt."""
         self._settle_holds()

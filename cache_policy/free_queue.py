@@ -71,6 +71,13 @@ class FreeQueueModel:
     def __init__(self) -> None:
         self._replicas: dict[ReplicaId, _ReplicaQueue] = {}
 
+    def sizes(self) -> dict[str, int]:
+        """Entries held over all replicas: ``held_blocks`` (prompt blocks of requests in flight)
+        and ``free_stamps`` (release stamps of free blocks: two generations, each cut at the
+        replica's capacity)."""
+        return {"held_blocks": sum(len(q.refs) for q in self._replicas.values()),
+                "free_stamps": sum(len(q.stamps) + len(q.old) for q in self._replicas.values())}
+
     def hold(self, rid: ReplicaId, hashes: Sequence[BlockHash]) -> list[int]:
         """A request with prompt blocks ``hashes`` was dispatched to ``rid``: they leave the free
         queue. Returns the stamps of those its prefix-cache hit takes out of it (a hit taken from the

@@ -81,6 +81,11 @@ class KvLedger:
         """Replicas whose request count changed since the core last rebuilt their views
         (``DecisionCore._views_of``); the core empties it."""
 
+    def sizes(self) -> dict[str, int]:
+        """Entries held: ``tickets`` (requests admitted and not released) and ``running_groups``
+        (GRPO groups with a ticket, per replica)."""
+        return {"tickets": sum(map(len, self._in_flight.values())), "running_groups": len(self._groups)}
+
     def admit(self, ticket: Ticket) -> None:
         """Count ``ticket`` against its replica."""
         self._in_flight.setdefault(ticket.replica_id, {})[ticket.number] = ticket

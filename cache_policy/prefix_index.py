@@ -115,6 +115,12 @@ class PrefixIndex:
         self.settle()
         return len(self._entries)
 
+    def sizes(self) -> dict[str, int]:
+        """Entries held: ``index_blocks`` (at most ``max_blocks``) and ``index_predictions``
+        (predicted entries awaiting a KV event or their ``predicted_ttl_s``)."""
+        self.settle()
+        return {"index_blocks": len(self._entries), "index_predictions": len(self._pending)}
+
     def replicas(self) -> set[ReplicaId]:
         """Replicas holding at least one indexed block."""
         self.settle()

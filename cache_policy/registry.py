@@ -77,6 +77,11 @@ class KeyRegistry:
     def __len__(self) -> int:
         return sum(1 for r in self._records.values() if r.replica is not None)
 
+    def sizes(self) -> dict[str, int]:
+        """Entries held: ``keys`` (session and group records, at most ``max_pins``) and ``parked``
+        (sessions' prefixes parked between turns)."""
+        return {"keys": len(self._records), "parked": sum(map(len, self._parked_order.values()))}
+
     def advance(self, now: float) -> None:
         """The caller's clock moved to ``now`` (used by the clock-less pin methods)."""
         self._now = max(self._now, now)

@@ -229,6 +229,13 @@ class VersionBook:
             else:
                 del self._on_version[old]
 
+    def sizes(self) -> dict[str, int]:
+        """Entries held: ``history`` (one per version loaded), ``cached_versions`` (per replica,
+        one per version since its last reset) and ``version_log`` (at most ``2 * LOG_KEPT`` per
+        replica)."""
+        return {"history": len(self.history), "cached_versions": sum(map(len, self._cached.values())),
+                "version_log": sum(map(len, self._log.values()))}
+
     def check_integrity(self) -> None:
         """Raise ``RuntimeError('bug: ...')`` if the per-version counts disagree with ``loaded``, or
         ``history`` or a replica's cached versions are not strictly ascending (they are bisected),

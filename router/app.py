@@ -139,6 +139,7 @@ async def _scrape_loop(app: web.Application, interval_s: float, rounds: ScrapeRo
         try:
             app[keys.LIFECYCLE].pump()
             metrics.publish_replicas(core, pool)
+            metrics.publish_state({**core.state_sizes(), **app[keys.LIFECYCLE].state_sizes()})
             subscriber = app.get(KV_EVENTS)
             if subscriber is not None:
                 metrics.publish_kv_events(subscriber.snapshot())

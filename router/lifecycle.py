@@ -182,7 +182,18 @@ class Lifecycle:
             raise
         finally:
             flight.task = None  # a preemption from now on would hit whatever the task does next
-            self.flights.get(rid, {}).pop(job.id, None)
+            held = self.flights.get(rid)
+            if held is not None:  # a replica's entry goes with its last flight (replicas come and go)
+                held.pop(job.id, None)
+                if not held:
+                    del self.flights[rid]
+
+    def state_sizes(self) -> dict[str, int]:
+        """Entries the lifecycle holds (0 once nothing is in flight): ``flights`` (attempts
+        dispatched), ``waiters`` (requests waiting in admission), ``reruns`` (requests a weight
+        update made run again, until they end)."""
+        return {"flights": sum(map(len, self.flights.values())), "waiters": len(self._waiters),
+                "reruns": len(self.reruns)}
 
     def flight(self, job: Job) -> Flight | None:
         """The dispatched attempt of ``job``, if any."""

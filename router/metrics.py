@@ -176,6 +176,9 @@ class RouterMetrics:
         self.kv_events = Gauge("rollout_router_kv_events", "KV events from each replica: batches, gaps, "
                                "gaps_repaired, gaps_lost, garbage, restarts, lag_s, events, stored, removed, "
                                "unmapped, resets", ["replica", "name"], registry=r)
+        self.state = Gauge("rollout_router_state_entries", "Entries each part of the router's state holds "
+                           "(DecisionCore.state_sizes and the lifecycle's flights, waiters, reruns): what must "
+                           "stay bounded in a router left running for days (bench.soak)", ["part"], registry=r)
         self._prompt: dict[str, int] = {}
         self._cached: dict[str, int] = {}
 
@@ -221,6 +224,12 @@ class RouterMetrics:
             self.replica_requests.labels(rid, "running").set(m.num_running)
             self.replica_requests.labels(rid, "waiting").set(m.num_waiting)
             self.replica_preemptions.labels(rid).set(m.num_preemptions)
+
+    def publish_state(self, sizes: dict[str, int]) -> None:
+        """``rollout_router_state_entries`` by part, after a scrape round (``DecisionCore.state_sizes``
+        with ``Lifecycle.state_sizes``)."""
+        for part, n in sizes.items():
+            self.state.labels(part).set(n)
 
     def publish_kv_events(self, snapshot: dict[str, float]) -> None:
         """The KV-event subscriber's counters (``KvEventSubscriber.snapshot``) as gauges."""
