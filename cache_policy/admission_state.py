@@ -265,7 +265,9 @@ class AdmissionState:
         ``ends_session``: its session's last turn (its size feeds :attr:`session_blocks`)."""
         self.ledger.release(ticket)
         if ends_session and ticket.session_id is not None:
-            self.session_ended(ticket.blocks)
+            rec = self.registry.record_of("session", ticket.session_id)
+            if rec is None or not rec.ended:  # a DELETE while it waited or ran took the sample already
+                self.session_ended(ticket.blocks)
         if ticket.session_id is not None:
             self.largest_session_blocks = max(self.largest_session_blocks, ticket.blocks)
             # a session evicted over policy.max_pins as its request finished (KeyRegistry.finished) is

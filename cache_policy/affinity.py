@@ -95,9 +95,12 @@ class PrefixAffinityPolicy:
             self.pins.finished("group", request.group_id, replica_id, request.fan_out)
 
     def on_rejected(self, request: RequestView, decision: Decision) -> None:
-        """The replica refused the request: un-index the blocks this request added (those past
-        the prefix it already held), so later requests are not predicted to hit them."""
+        """The request prefilled nothing there (``DecisionCore`` undoes its placement): un-index the
+        blocks it added (those past the prefix it already held), so later requests are not
+        predicted to hit them, and take it out of the requests sent lately (a replica that refuses
+        work, or whose clients leave while they wait, would otherwise look busier than it is)."""
         self.index.remove(request.block_hashes[decision.matched_blocks:], decision.replica_id)
+        self.sent.undo(decision.replica_id, request.fan_out, self.pins.now)
 
     def on_replicas_changed(self, replica_ids: Sequence[ReplicaId]) -> None:
         """Drop the pins and index entries of replicas no longer in ``replica_ids``."""

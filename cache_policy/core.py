@@ -571,9 +571,10 @@ class DecisionCore:
         if outcome == "ok":  # it ran elsewhere: those that failed it are to blame
             for suspect in job.suspects:
                 self._count_failure(suspect, "retry")
-        if outcome == "ok" and job.spec.ends_session and job.spec.session_id is not None:
-            self.registry.end("session", job.spec.session_id)  # its release above took the sample
-        elif job.spec.session_id is not None:  # its session ended while it ran: forget it now
+        if job.spec.session_id is not None:
+            if outcome == "ok" and job.spec.ends_session:
+                self.registry.end("session", job.spec.session_id)  # its release above took the sample
+            # ended while it waited or ran (a DELETE; also its own X-Session-End then): forget it now
             self.registry.drop_ended("session", job.spec.session_id)
 
     def dispatchable(self, job: Job) -> bool:

@@ -87,7 +87,8 @@ class NoopHooks:
         """Called when ``request`` ended on ``replica_id`` (success, error or disconnect)."""
 
     def on_rejected(self, request: RequestView, decision: Decision) -> None:
-        """Called when the replica refused ``request`` (4xx): it cached none of its blocks."""
+        """Called when ``request`` prefilled nothing on ``decision``'s replica (refused with a 4xx,
+        the replica down or unreachable, or its client gone while it waited): undo its placement."""
 
     def on_replicas_changed(self, replica_ids: Sequence[ReplicaId]) -> None:
         """Called with the full current set of replica ids when it changes."""

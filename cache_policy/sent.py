@@ -82,6 +82,15 @@ class RecentlySent:
         self._rebase(now)
         self._raw[rid] = self._raw.get(rid, 0.0) + count / self.scale(now)
 
+    def undo(self, rid: ReplicaId, count: int, now: float) -> None:
+        """``count`` requests placed on ``rid`` were not sent after all (refused, never dispatched):
+        the decayed count at ``now`` drops by ``count``, never below 0 (placed a little earlier,
+        they had decayed a little: at most ``count * (1 - exp(-wait / window))`` too much comes
+        off: about a tenth of ``count`` for a 30 s wait in a 300 s window)."""
+        if rid in self._raw:
+            self._rebase(now)
+            self._raw[rid] = max(0.0, self._raw[rid] - count / self.scale(now))
+
     def set(self, rid: ReplicaId, count: float, now: float) -> None:
         """Make ``rid``'s decayed count at ``now`` equal ``count`` (tests, and :meth:`level`)."""
         self._rebase(now)

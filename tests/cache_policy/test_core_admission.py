@@ -492,3 +492,44 @@ def test_a_replica_holding_no_session_always_starts_one(fake_clock):
     started = [ask(core, fake_clock, 2, session=f"s{i}")[1].verdict for i in range(2)]
     assert started == ["admit", "admit"]  # one per replica, each holding none
     core.check_integrity()
+
+
+def test_a_session_ended_by_delete_while_its_last_turn_waits_is_one_sample_not_two(fake_clock):
+    # s0 parks 10 blocks; its X-Session-End turn of 50 blocks waits behind 60 blocks of other work;
+    # a DELETE ends s0 meanwhile (the sample: its parked 10 blocks). When the turn runs and ends,
+    # that is the same session ending: no second sample (the average would read (10 + 50) / ...)
+    core = make(queue_timeout_s=30.0)
+    prompt = park_session(core, fake_clock, "s0", 10)
+    busy, adm = ask(core, fake_clock, 60)
+    assert adm.verdict == "admit"
+    last = core.open(RequestSpec(tokens(50, prompt), "s0", ends_session=True), fake_clock.now())
+    core.place(last, fake_clock.now())
+    assert core.admit(last, fake_clock.now()).verdict == "queue"
+    assert core.end_session("s0") and core.admission.session_blocks == 10
+    core.finish(busy, "ok", fake_clock.now())
+    [(job, started)] = core.pump(fake_clock.now())
+    assert job is last and started.verdict == "admit"
+    core.finish(last, "ok", fake_clock.now())
+    assert core.admission.session_blocks == 10
+    assert core.registry.record_of("session", "s0") is None  # ended, and nothing of it in flight
+    core.check_integrity()
+
+
+def test_a_placement_undone_is_not_counted_as_sent(fake_clock):
+    # a request refused by A (4xx) or whose client left while it waited prefilled nothing there:
+    # A's count of requests sent lately is back where it was, and the next new key is not steered
+    # away from A by work A never did
+    b = ReplicaId("replica-1")
+    core = make(queue_timeout_s=30.0)
+    core.add_replica(b, block_size=32, num_gpu_blocks=100)
+    core.policy.sent.set(b, 1, fake_clock.now())
+    refused, _ = ask(core, fake_clock, 5)
+    assert refused.decision.replica_id == A and core.policy.sent.get(A, fake_clock.now()) == 1
+    core.finish(refused, "refused", fake_clock.now())
+    assert core.policy.sent.get(A, fake_clock.now()) == 0
+    busy, _ = ask(core, fake_clock, 80)  # on A (0 sent), admitted
+    waiting, adm = ask(core, fake_clock, 5)
+    assert (busy.decision.replica_id, waiting.decision.replica_id) == (A, b)  # A 1 + load 1 > b 1 + 0
+    core.finish(waiting, "cancelled", fake_clock.now())  # admitted on b: it ran there, stays counted
+    assert core.policy.sent.get(b, fake_clock.now()) == 2
+    core.check_integrity()

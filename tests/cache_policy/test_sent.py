@@ -60,3 +60,15 @@ def test_a_clock_that_starts_below_zero_decays_too():
     sent = RecentlySent(300.0)
     sent.add("a", 1, -600.0)
     assert sent.get("a", -300.0) == pytest.approx(math.exp(-1))
+
+
+def test_undo_takes_a_placement_back_at_its_decayed_value_and_never_below_zero():
+    sent = RecentlySent(300.0)
+    sent.add("a", 3, 10.0)
+    sent.add("a", 2, 40.0)
+    sent.undo("a", 2, 40.0)  # undone at once: exactly the 3 of t=10, decayed to t=40
+    assert sent.get("a", 40.0) == pytest.approx(3 * math.exp(-30 / 300), rel=1e-12)
+    sent.undo("a", 5, 41.0)
+    assert sent.get("a", 41.0) == 0.0
+    sent.undo("z", 1, 41.0)  # never sent anything: nothing to take back, no entry made
+    assert "z" not in sent
