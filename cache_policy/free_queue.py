@@ -73,8 +73,8 @@ class FreeQueueModel:
 
     def sizes(self) -> dict[str, int]:
         """Entries held over all replicas: ``held_blocks`` (prompt blocks of requests in flight)
-        and ``free_stamps`` (release stamps of free blocks: two generations, each cut at the
-        replica's capacity)."""
+        and ``free_stamps`` (release stamps of free blocks: two generations, each cut at twice
+        the replica's capacity, ``_trim``)."""
         return {"held_blocks": sum(len(q.refs) for q in self._replicas.values()),
                 "free_stamps": sum(len(q.stamps) + len(q.old) for q in self._replicas.values())}
 
