@@ -78,6 +78,8 @@ def on_replica_event(app: web.Application, event: ReplicaEvent) -> None:
         pool.set_endpoints([s.endpoint for s in pool.states() if s.endpoint.replica_id != rid])
     if keys.METRICS in app:
         app[keys.METRICS].healthy.labels(rid).set(1 if rid in core.replicas and core.replicas[rid].healthy else 0)
+        if kind == "removed":
+            app[keys.METRICS].forget_replica(rid)
     subscriber = app.get(KV_EVENTS)
     if subscriber is not None:
         sync_watches(subscriber, [s.endpoint for s in pool.states() if s.endpoint.replica_id in core.replicas])

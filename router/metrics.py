@@ -34,6 +34,13 @@ class _CachedLabels:
         self._children.clear()
         super().remove(*values)
 
+    def remove_first(self, first: str) -> None:
+        """Remove every child whose first label value is ``first`` (a replica that left)."""
+        with self._lock:
+            gone = [values for values in self._metrics if values[0] == first]
+        for values in gone:
+            self.remove(*values)
+
     def clear(self) -> None:
         self._children.clear()
         super().clear()
@@ -224,6 +231,16 @@ class RouterMetrics:
             self.replica_requests.labels(rid, "running").set(m.num_running)
             self.replica_requests.labels(rid, "waiting").set(m.num_waiting)
             self.replica_preemptions.labels(rid).set(m.num_preemptions)
+
+    def forget_replica(self, rid: str) -> None:
+        """``rid`` left the fleet: its gauges go (a dashboard would read its last in-flight count,
+        KV usage and hit rate forever); ``rollout_router_replica_healthy`` stays at 0 and its counters
+        keep their totals (a series that ends is what Prometheus expects of a removed target)."""
+        for gauge in (self.in_flight, self.kv_usage, self.hit_rate, self.projected, self.parked, self.replica_requests,
+                      self.replica_preemptions, self.kv_events):
+            gauge.remove_first(rid)
+        self._prompt.pop(rid, None)
+        self._cached.pop(rid, None)
 
     def publish_state(self, sizes: dict[str, int]) -> None:
         """``rollout_router_state_entries`` by part, after a scrape round (``DecisionCore.state_sizes``

@@ -138,3 +138,30 @@ async def test_admin_replicas_refuses_a_launch_in_router_only_mode_and_a_duplica
             r = await client.post("/admin/replicas", data=bad, headers=auth)
             assert r.status == 400 and (await r.json())["error"]["param"] == "body", bad
     assert calls == []  # nothing was launched or registered
+
+
+async def test_a_removed_replicas_gauges_go_and_its_healthy_gauge_reads_zero():
+    cfg = AppConfig().replace(router={"port": 0, "scrape_interval_s": 0, "kv_events": False})
+    app = create_app(cfg, [_ep(A, 9), _ep(B, 10)], tiny_tokenizer())
+    fleet = FakeFleet()
+    attach_fleet(app, fleet)
+    async with TestClient(TestServer(app)) as client:
+        m = app[keys.METRICS]
+        for rid in (A, B):  # what a scrape round and the requests set for each replica
+            m.in_flight.labels(rid).set(2)
+            m.kv_usage.labels(rid).set(0.5)
+            m.replica_requests.labels(rid, "running").set(3)
+            m.replica_requests.labels(rid, "waiting").set(1)
+            m.kv_events.labels(rid, "stored").set(7)
+            m.prompt_tokens.labels(rid).inc(100)
+        fleet.events.publish("removed", B, _ep(B, 10))
+        await fleet.events.flush()
+        text = await (await client.get("/metrics")).text()
+        lines = [line for line in text.splitlines() if not line.startswith("#") and f'replica="{B}"' in line]
+        assert sorted(line.split("{")[0] for line in lines) == [
+            "rollout_router_prompt_tokens_created", "rollout_router_prompt_tokens_total", "rollout_router_replica_healthy"]
+        assert f'rollout_router_replica_healthy{{replica="{B}"}} 0.0' in lines
+        assert f'rollout_router_in_flight{{replica="{A}"}} 2.0' in text  # the replica still here keeps its own
+        assert f'rollout_router_replica_requests{{replica="{A}",state="waiting"}} 1.0' in text
+        m.in_flight.labels(A).set(1)  # the label cache still answers for the others after a removal
+        assert f'rollout_router_in_flight{{replica="{A}"}} 1.0' in (await (await client.get("/metrics")).text())
