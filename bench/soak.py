@@ -119,9 +119,11 @@ class Soak:
 
     def _update(self) -> None:
         self.version += 1
-        for rid in list(self.core.replicas):
+        for rid in list(self.core.replicas):  # as router.weights.steps: out, loaded, (flush: reset), back
             self.core.set_rotation(rid, "updating")
             self.core.version_loaded(rid, self.version)
+            if self.cfg.weight_policy == "flush":
+                self.core.cache_reset(rid)
             self.core.set_rotation(rid, None)
         self.core.finish_update(self.version, self.cfg.weight_policy)
 
@@ -137,8 +139,14 @@ class Soak:
     def _send(self, spec: RequestSpec, at: float) -> None:
         """One request's life in the core, as ``router.lifecycle`` runs it, with an outcome drawn
         as the router meets them; a queued one waits for a later pump."""
-        core, started = self.core, time.perf_counter()
-        job = core.open(spec, at)
+        started = time.perf_counter()
+        self._run(self.core.open(spec, at), at)
+        self.decision_s.append(time.perf_counter() - started)
+        self.requests += 1
+
+    def _run(self, job: Job, at: float) -> None:
+        """Place, admit and end ``job`` (placed again after a retry or when its replica left)."""
+        core = self.core
         for _ in range(3):  # a retry places it again elsewhere
             if core.place(job, at) is None:
                 core.finish(job, "failed", at)
@@ -161,8 +169,6 @@ class Soak:
                 break
         else:
             core.finish(job, "failed", at)
-        self.decision_s.append(time.perf_counter() - started)
-        self.requests += 1
 
     def _pump(self, at: float) -> None:
         for job, adm in self.core.pump(at):
@@ -170,6 +176,8 @@ class Soak:
                 self.queued.remove(job)
             if adm.verdict == "admit":
                 self.core.finish(job, "ok", at + 0.5)
+            elif adm.verdict == "replica_gone":  # its replica left rotation while it waited: place it again
+                self._run(job, at)
         keep = []
         for job in self.queued:  # a client gone while its request waited
             if self.rng.random() < 0.05:
@@ -219,7 +227,8 @@ class Soak:
                 self._join()
             if n in marks:
                 self.core.check_integrity()
-                checkpoints.append({"step": n, "sim_s": self.now, "sizes": self.core.state_sizes()})
+                checkpoints.append({"step": n, "sim_s": self.now, "versions": self.version + 1,
+                                    "sizes": self.core.state_sizes()})
             if progress is not None:
                 progress(1)
         for job in self.queued:
@@ -227,8 +236,8 @@ class Soak:
         self.queued = []
         p = cfg.policy
         self.now += max(p.session_idle_s, p.key_ttl_s, p.queue_timeout_s, p.predicted_ttl_s) + 10 * cfg.step_s
-        self.core.pump(self.now)
         self._pump(self.now)
+        self.core.pump(self.now)  # the router's scrape round: idle keys and sessions expire
         self.core.check_integrity()
         tenth = max(1, len(self.decision_s) // 10)
         first, last = self.decision_s[tenth:2 * tenth], self.decision_s[-tenth:]  # after a tenth's warm-up
@@ -258,16 +267,16 @@ def verdicts(result: dict, cfg: SoakConfig) -> dict[str, str]:
     out, limits = {}, bounds(cfg)
     sizes = [c["sizes"] for c in result["checkpoints"]]
     drained = result["drained"]
-    versions = sizes[-1]["history"]
+    versions = max(s.get("history", 0) for s in sizes)  # when the checkpoints do not say
     for name in drained:
         bound = limits.get(name, (None, ""))[0]
         peak = max(s.get(name, 0) for s in sizes)
         if name in PER_REQUEST:
             out[name] = "drained" if drained[name] == 0 else "LEFT BEHIND"
-        elif name == "history":
-            out[name] = "per version" if peak <= versions else "GROWS"
-        elif name == "cached_versions":
-            out[name] = "per version" if peak <= versions * cfg.replicas else "GROWS"
+        elif name in PER_VERSION:  # at each checkpoint, at most one per version loaded by then (per replica)
+            per = 1 if name == "history" else cfg.replicas
+            fits = all(c["sizes"].get(name, 0) <= per * c.get("versions", versions) for c in result["checkpoints"])
+            out[name] = "per version" if fits else "GROWS"
         elif bound is not None:
             out[name] = "bounded" if peak <= bound else "OVER BOUND"
         else:  # no configured bound: it must not keep growing over the second half
@@ -283,8 +292,10 @@ def render(result: dict, cfg: SoakConfig, console: Console) -> None:
                         f"{result['requests']:,} requests, {cfg.replicas} replicas, an update every "
                         f"{cfg.update_every} step(s), {cfg.weight_policy}")
     table.add_column("state", justify="left")
+    long_run = result["checkpoints"][-1]["sim_s"] >= 2 * 86_400
     for c in result["checkpoints"]:
-        table.add_column(f"day {c['sim_s'] / 86_400:.1f}", justify="right")
+        table.add_column(f"day {c['sim_s'] / 86_400:.1f}" if long_run else f"hour {c['sim_s'] / 3_600:.1f}",
+                         justify="right")
     for col in ("drained", "bound", "verdict"):
         table.add_column(col, justify="right")
     limits, verdict = bounds(cfg), verdicts(result, cfg)
@@ -342,8 +353,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--out", type=Path, default=Path("results/soak"))
     a = p.parse_args(argv)
-    if a.steps < a.checkpoints or a.checkpoints < 2 or a.replicas < 2 or a.sessions < 0:
-        p.error("--steps must be >= --checkpoints >= 2, --replicas >= 2 and --sessions >= 0")
+    if a.steps < a.checkpoints or a.checkpoints < 2 or a.replicas < 2:
+        p.error("--steps must be >= --checkpoints >= 2 and --replicas >= 2")
+    if a.sessions < 0 or a.group_size < 0 or a.fan_out < 1 or not a.step_s > 0:
+        p.error("--sessions and --group-size must be >= 0, --fan-out >= 1 and --step-s > 0")
+    if min(a.update_every, a.restart_every, a.churn_every) < 0:
+        p.error("--update-every, --restart-every and --churn-every must be >= 0 (0: never)")
     cfg = SoakConfig(steps=a.steps, step_s=a.step_s, replicas=a.replicas, sessions=a.sessions,
                      group_size=a.group_size, fan_out=a.fan_out, update_every=a.update_every,
                      restart_every=a.restart_every, churn_every=a.churn_every, weight_policy=a.weight_policy,

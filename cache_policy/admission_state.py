@@ -264,9 +264,13 @@ class AdmissionState:
         ``stamp``: the replica's free-queue counter before its blocks were released;
         ``ends_session``: its session's last turn (its size feeds :attr:`session_blocks`)."""
         self.ledger.release(ticket)
-        if ends_session and ticket.session_id is not None:
+        if ticket.session_id is not None:
             rec = self.registry.record_of("session", ticket.session_id)
-            if rec is None or not rec.ended:  # a DELETE while it waited or ran took the sample already
+            if rec is not None and rec.ended:  # its client ended it (DELETE) while this turn waited or ran
+                if not rec.end_sampled:  # the end had no parked prefix to sample: this turn was its last
+                    self.session_ended(ticket.blocks)
+                    rec.end_sampled = True
+            elif ends_session:
                 self.session_ended(ticket.blocks)
         if ticket.session_id is not None:
             self.largest_session_blocks = max(self.largest_session_blocks, ticket.blocks)

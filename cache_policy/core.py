@@ -23,6 +23,7 @@ replica event. Pure: no I/O, no clock (``now`` is float seconds from the caller)
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -105,6 +106,8 @@ class ReplicaRecord:
     load: ReplicaLoad = field(default_factory=ReplicaLoad)
     failures: int = 0
     """Consecutive failed dispatches (reset by an answer)."""
+    incarnation: int = 0
+    """Which joining or restart of the replica this is (unique in the core, never reused)."""
 
     def view(self, version: int | None) -> ReplicaView:
         """A snapshot for the policies (``in_flight`` is filled in by the core)."""
@@ -137,6 +140,10 @@ class Job:
     admission: Admission | None = None
     queued: AdmissionRequest | None = None
     undo_pins: dict[str, ReplicaId | None] = field(default_factory=dict)
+    incarnation: int = 0
+    """Its replica's incarnation when it was placed (``ReplicaRecord.incarnation``): a placement
+    undone after that replica restarted, or left and came back under its id, is not taken out of
+    the new one's bookkeeping (the requests it was sent, its index)."""
     done: bool = False
     generated_tokens: int | None = None
     """Tokens the engine generated for it, when the answer said (``usage.completion_tokens``,
@@ -186,6 +193,8 @@ class DecisionCore:
         self._ledger_changed, self._queue_changed = self.admission.ledger.changed, self.admission.queue.changed
         self._queued = self.admission.queue.requests_by_replica  # a live Counter, read-only here
         self._block_size: int | None = None
+        self._incarnations = itertools.count(1)
+        """Numbers each replica's joining and each restart (``ReplicaRecord.incarnation``)."""
 
     # -- replica events -------------------------------------------------------------------------
 
@@ -196,7 +205,8 @@ class DecisionCore:
         if self.replicas and block_size != self.block_size:
             raise ValueError(f"replica {rid} has block_size {block_size}, the fleet {self.block_size}; "
                              "configure one block size")
-        self.replicas[rid] = ReplicaRecord(rid, block_size, num_gpu_blocks, scoring_cap)
+        self.replicas[rid] = ReplicaRecord(rid, block_size, num_gpu_blocks, scoring_cap,
+                                           incarnation=next(self._incarnations))
         self._block_size = block_size
         self._changed.add(rid)
         self.versions.set_loaded(rid, self.versions.initial if version is None else version)
@@ -227,6 +237,7 @@ class DecisionCore:
         if rec is None:
             return
         rec.num_gpu_blocks, rec.scoring_cap, rec.load = num_gpu_blocks, scoring_cap, ReplicaLoad()
+        rec.incarnation = next(self._incarnations)
         self._changed.add(rid)
         self.policy.on_cache_reset(rid)
         self.free_queue.reset(rid)
@@ -331,6 +342,7 @@ class DecisionCore:
         rec = self.registry.record_of("session", session_id)
         if rec is not None and rec.parked is not None and not rec.ended:
             self.admission.session_ended(rec.parked[1])
+            rec.end_sampled = True  # a turn still running through the end does not sample again
         return self.registry.end("session", session_id)
 
     # -- sharing with other routers (cache_policy.sharing; router.state carries it out) ---------
@@ -423,6 +435,8 @@ class DecisionCore:
         """Start a job: its salt and version (recording a new key's start version) and hashes."""
         self.registry.advance(now)
         self._sweep(now)
+        if spec.session_id is not None:
+            self.registry.reopen("session", spec.session_id)
         choice = self.versions.assign(self.registry, spec.session_id, spec.group_id, spec.weight_version,
                                       spec.tenant, scoring=spec.kind == "score")
         hashes = tuple(block_hashes(spec.token_ids, self.block_size, choice.salt))
@@ -449,6 +463,7 @@ class DecisionCore:
             roomy = [v for v in candidates if not self.admission.sessions_full(v, now)]
             decision = (self.policy.select(job.view, roomy) if roomy else None) or decision
         job.undo_pins = self._pins_before(job)
+        job.incarnation = self.replicas[decision.replica_id].incarnation
         self.policy.on_routed(job.view, decision)
         rid = decision.replica_id
         job.indexed_blocks = decision.matched_blocks
@@ -501,8 +516,11 @@ class DecisionCore:
 
     def pump(self, now: float) -> list[tuple[Job, Admission]]:
         """Jobs whose admission was decided since the last call: queued jobs admitted now, and
-        jobs refused (``reject``: timeout / displaced) or sent back (``replica_gone``)."""
+        jobs refused (``reject``: timeout / displaced) or sent back (``replica_gone``). Also runs the
+        amortized sweep (idle key records, unconfirmed predictions), so a router with no requests
+        (its scrape rounds pump) lets go of what expired."""
         self.registry.advance(now)
+        self._sweep(now)
         if not self._jobs and not self._outbox:  # nothing queued (most calls): the amortized sweep alone
             if self._unheld and self.admission.unpark_due(now):
                 self._settle_holds()  # the sweep reads parked prefixes, which a hold may touch
@@ -819,7 +837,9 @@ class DecisionCore:
         if job.decision is None:
             return
         rid = job.decision.replica_id
-        self.policy.on_rejected(job.view, job.decision)
+        rec = self.replicas.get(rid)
+        if rec is not None and rec.incarnation == job.incarnation:
+            self.policy.on_rejected(job.view, job.decision)  # not from a restarted or re-added replica's
         keys = {"session": job.spec.session_id, "group": job.spec.group_id}
         for kind, before in job.undo_pins.items():
             rec = self.registry.get(kind, keys[kind])

@@ -47,7 +47,12 @@ class KeyRecord:
     hits took out of the queue since, bounds the rank of its deepest block from the tail."""
     ended: bool = False
     """The client ended the key while requests of it were in flight (:meth:`KeyRegistry.end`):
-    their finish parks nothing, and the last one drops the record (:meth:`KeyRegistry.drop_ended`)."""
+    their finish parks nothing, and the last one drops the record (:meth:`KeyRegistry.drop_ended`).
+    Placing one of them again (a retry, a replica gone) does not revive it; a request opened after
+    the end does (:meth:`KeyRegistry.reopen`)."""
+    end_sampled: bool = False
+    """The size the session ended at was taken (``AdmissionState.session_blocks``): by the end
+    itself (its parked prefix) or by the release of a turn that ran through it; once per ending."""
 
     def __post_init__(self) -> None:
         assert self.own_in_flight >= 0 and self.in_flight >= 0, "bug: negative in-flight count"
@@ -125,9 +130,16 @@ class KeyRegistry:
         """``count`` more requests of ``key`` run on ``replica`` (a key ended before lives again)."""
         rec = self.touch(kind, key)
         rec.in_flight += count
-        rec.ended = False
         if rec.replica == replica:
             rec.own_in_flight += count
+
+    def reopen(self, kind: KeyKind, key: str) -> None:
+        """A new request of ``key`` arrived: a key its client ended lives again (the client reused
+        the id), with nothing of its old pin or size kept. Requests opened before the end keep
+        it ended, however often they are placed again (:attr:`KeyRecord.ended`)."""
+        rec = self._records.get((kind, key))
+        if rec is not None and rec.ended:
+            rec.ended = rec.end_sampled = False
 
     def finished(self, kind: KeyKind, key: str, replica: ReplicaId, count: int = 1) -> None:
         """``count`` requests of ``key`` ended on ``replica``; never counts below zero."""

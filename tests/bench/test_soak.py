@@ -53,3 +53,13 @@ def test_state_sizes_count_a_queued_and_an_admitted_request_and_drop_them_when_t
     sizes = core.state_sizes()
     assert (sizes["tickets"], sizes["queued"], sizes["jobs_queued"], sizes["held_blocks"]) == (0, 0, 0, 0)
     assert sizes["parked"] == 1  # the session's prefix, parked between turns
+
+
+def test_under_flush_each_replica_caches_one_version_and_an_idle_core_lets_keys_go():
+    cfg = SoakConfig(steps=120, replicas=3, sessions=6, group_size=2, weight_policy="flush", restart_every=0,
+                     churn_every=0, checkpoints=3, policy=PolicyConfig(key_ttl_s=600.0))
+    result = Soak(cfg).run()
+    assert [c["sizes"]["cached_versions"] for c in result["checkpoints"]] == [3, 3, 3]  # reset at every update
+    assert result["drained"]["history"] == 121
+    assert result["drained"]["keys"] == 0  # past key_ttl_s with nothing in flight: a pump sweeps them
+    assert set(verdicts(result, cfg).values()) <= {"bounded", "drained", "per version"}

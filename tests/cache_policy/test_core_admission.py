@@ -533,3 +533,72 @@ def test_a_placement_undone_is_not_counted_as_sent(fake_clock):
     core.finish(waiting, "cancelled", fake_clock.now())  # admitted on b: it ran there, stays counted
     assert core.policy.sent.get(b, fake_clock.now()) == 2
     core.check_integrity()
+
+
+def test_a_deleted_session_whose_turn_is_placed_again_stays_ended(fake_clock):
+    # s0 parks 10 blocks; its last turn (with or without X-Session-End) waits on A; DELETE ends s0;
+    # a weight update sends the queued turn back (replica_gone) and the router places it again:
+    # the session is not revived (no pin, nothing parked, no second sample) and its record goes
+    # when the turn ends (a fresh attacker's case: placing a job revived an ended session)
+    b = ReplicaId("replica-1")
+    for ends in (True, False):
+        core = make(queue_timeout_s=30.0)
+        prompt = park_session(core, fake_clock, "s0", 10)
+        busy, _ = ask(core, fake_clock, 60)
+        core.add_replica(b, block_size=32, num_gpu_blocks=100)
+        last = core.open(RequestSpec(tokens(50, prompt), "s0", ends_session=ends), fake_clock.now())
+        core.place(last, fake_clock.now())
+        assert core.admit(last, fake_clock.now()).verdict == "queue"
+        assert core.end_session("s0") and core.admission.session_blocks == 10
+        for rid in (A, b):
+            core.set_rotation(rid, "updating")
+            core.version_loaded(rid, 1)
+            core.set_rotation(rid, None)
+        core.finish_update(1, "keep+salt")
+        [(job, gone)] = core.pump(fake_clock.now())
+        assert job is last and gone.verdict == "replica_gone"
+        core.finish(busy, "ok", fake_clock.now())
+        core.place(last, fake_clock.now())
+        assert core.admit(last, fake_clock.now()).verdict == "admit"
+        core.finish(last, "ok", fake_clock.now())
+        assert core.admission.session_blocks == 10
+        assert core.registry.record_of("session", "s0") is None
+        assert core.registry.parked_blocks(A) == core.registry.parked_blocks(b) == 0
+        core.check_integrity()
+
+
+def test_a_delete_while_the_last_turn_runs_samples_that_turn_once(fake_clock):
+    # the turn was admitted (its prefix no longer parked), then DELETE: the end has nothing to
+    # sample, so the turn's release does, once (before, with X-Session-End, no sample was taken)
+    for ends in (True, False):
+        core = make(queue_timeout_s=30.0)
+        prompt = park_session(core, fake_clock, "s0", 10)
+        last = core.open(RequestSpec(tokens(50, prompt), "s0", ends_session=ends), fake_clock.now())
+        core.place(last, fake_clock.now())
+        assert core.admit(last, fake_clock.now()).verdict == "admit"
+        assert core.end_session("s0") and core.admission.session_blocks is None
+        core.finish(last, "ok", fake_clock.now())
+        assert core.admission.session_blocks == 50 and core.registry.record_of("session", "s0") is None
+        # the id used again after the end: a new session, pinned and parked as any other
+        park_session(core, fake_clock, "s0", 5)
+        assert core.registry.get("session", "s0").replica == A and core.registry.parked_blocks(A) == 5
+        core.check_integrity()
+
+
+def test_an_attempt_undone_after_its_replica_came_back_leaves_the_new_ones_count_alone(fake_clock):
+    # placed on A, A leaves and comes back under its id (levelled with B), then the old attempt
+    # fails (unreachable): the undo is the old incarnation's, not the new one's (it would sit below
+    # the level and draw new keys: a fresh attacker's case)
+    b = ReplicaId("replica-1")
+    core = make()
+    core.add_replica(b, block_size=32, num_gpu_blocks=100)
+    core.policy.sent.set(b, 1, fake_clock.now())
+    job, _ = ask(core, fake_clock, 5)
+    assert job.replica_id == A
+    core.remove_replica(A, fake_clock.now())
+    core.add_replica(A, block_size=32, num_gpu_blocks=100)
+    before = {rid: core.policy.sent.get(rid, fake_clock.now()) for rid in (A, b)}
+    assert before == {A: 1, b: 1}
+    core.finish(job, "unreachable", fake_clock.now())
+    assert {rid: core.policy.sent.get(rid, fake_clock.now()) for rid in (A, b)} == before
+    core.check_integrity()
