@@ -272,7 +272,6 @@ class AdmissionState:
                     rec.end_sampled = True
             elif ends_session:
                 self.session_ended(ticket.blocks)
-        if ticket.session_id is not None:
             self.largest_session_blocks = max(self.largest_session_blocks, ticket.blocks)
             # a session evicted over policy.max_pins as its request finished (KeyRegistry.finished) is
             # not made again here without its pin and start version (a fresh attacker's report)

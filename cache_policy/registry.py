@@ -127,7 +127,8 @@ class KeyRegistry:
             rec.replica, rec.own_in_flight = replica, 0
 
     def started(self, kind: KeyKind, key: str, replica: ReplicaId, count: int = 1) -> None:
-        """``count`` more requests of ``key`` run on ``replica`` (a key ended before lives again)."""
+        """``count`` more requests of ``key`` run on ``replica`` (a key its client ended stays ended:
+        only a request opened after the end revives it, :meth:`reopen`)."""
         rec = self.touch(kind, key)
         rec.in_flight += count
         if rec.replica == replica:

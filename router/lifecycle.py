@@ -203,8 +203,9 @@ class Lifecycle:
         """Rerun unless ``job``'s replica served one version from its dispatch until now: a
         non-streamed answer (a scoring fan-out above all) is never mixed."""
         if self.versions_moved(job):
-            seen = self.core.versions_since(job)  # from its dispatch: job.weight_version (the log's first kept entry may be later)
-            raise Rerun(f"replica {job.replica_id} moved from version {job.weight_version} to {seen[-1]} while the request ran")
+            # from the version it was dispatched under (a long-cut log's first kept entry is later)
+            now = self.core.versions_since(job)[-1]
+            raise Rerun(f"replica {job.replica_id} moved from version {job.weight_version} to {now} while the request ran")
 
     def versions_moved(self, job: Job) -> bool:
         """Whether ``job``'s replica served more than one version since its dispatch."""
