@@ -156,6 +156,9 @@ class FastLane(asyncio.Protocol):
         self.app, self.handler, self.aiohttp_protocol, self.lanes = app, handler, aiohttp_protocol, lanes
         self.head_check = head_check
         self.max_head, self.max_body, self.idle_s, self.body_s = max_head, max_body, idle_s, body_s
+        self.max_buffer = max_head + 4 + max_body
+        """The most one request takes (its head, the blank line, its body): past it the lane reads
+        no more until the requests buffered are served."""
         self.transport: asyncio.Transport | None = None
         self.buffer = bytearray()
         self.task: asyncio.Task | None = None
@@ -186,10 +189,10 @@ class FastLane(asyncio.Protocol):
         if self.task is None and not self.buffer and self._head is None and self._whole(data):
             return
         self.buffer += data
+        if len(self.buffer) > self.max_buffer:  # pipelined past any one request: wait
+            self.transport.pause_reading()
         if self.task is None:
             self._next()
-        elif len(self.buffer) > self.max_head + self.max_body:  # pipelined past any one request: wait
-            self.transport.pause_reading()
 
     def connection_lost(self, exc: BaseException | None) -> None:
         if self._head is not None and self._body_deadline is not None:  # it left while sending a body
@@ -210,9 +213,15 @@ class FastLane(asyncio.Protocol):
     def resume_writing(self) -> None:
         self._write_paused = False
         if self.transport is not None and not self._closing:
-            self.transport.resume_reading()
+            self._read_on()
             if self.task is None:
                 self._next()
+
+    def _read_on(self) -> None:
+        """Read from the client again unless its answers wait (write paused) or it sent past any
+        one request (:attr:`max_buffer`) ahead of the one served: the lane never buffers more."""
+        if not self._write_paused and len(self.buffer) <= self.max_buffer:
+            self.transport.resume_reading()
 
     # -- one request at a time -------------------------------------------------------------
 
@@ -302,7 +311,7 @@ class FastLane(asyncio.Protocol):
         if self._close_after:
             self.close()
         elif self.transport is not None and not self._closing:
-            self.transport.resume_reading()
+            self._read_on()  # else resume_writing does, once the client reads
             self._next()
 
     def write_response(self, resp: web.Response, *, close: bool = False) -> None:

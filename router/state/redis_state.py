@@ -141,6 +141,9 @@ class RedisState:
                 self._republish_all = True  # until it succeeds, whatever fails in between
             others = await self.peers.beat(self.app, core, view_of(self.app, self.router_id, self.versions.applied,
                                                                    self.versions.confirmed), t)
+            if self.versions.pending:  # a publication of ours got no answer: ours again (wire.PUBLISH_VERSIONS)
+                if await self.versions.publish(core, retry=True, timeout_s=t):
+                    epoch = self.versions.applied
             if epoch is None:
                 await self.versions.restore(core, bool(others))
             elif int(epoch) > self.versions.applied:

@@ -43,11 +43,18 @@ class VersionSync:
         self.missing = False
         """Redis holds no snapshot although this router has one (restarted empty): re-publish."""
         self.last: VersionSnapshot | None = None
-        """The last snapshot applied from Redis (re-applied to replicas the registry adds later)."""
+        """The newest snapshot this router applied from Redis or published itself (re-applied to
+        replicas the registry adds later)."""
+        self.pending = False
+        """A publication of this router's got no answer (Redis down, or slow: it may have been
+        written): the core's snapshot is published again by the next sync round (:meth:`publish`
+        with ``retry``), so no router keeps a rotation or version this one took back."""
 
     def reapply(self, core: DecisionCore) -> None:
-        """Replicas joined (registry): give them the versions of the last snapshot applied."""
-        if self.last is not None:
+        """Replicas joined (registry): give them the versions of the last snapshot applied or
+        published. Not while a publication is pending: ``last`` is older than the core then, and
+        applying it would take back what this router changed since (an update's hold undone)."""
+        if self.last is not None and not self.pending:
             core.apply_versions(self.last)
 
     async def observe(self, core: DecisionCore, raw_epoch: str | None) -> None:
@@ -73,6 +80,11 @@ class VersionSync:
             self.missing = self.applied >= 0
             return False
         epoch = int(raw["epoch"])
+        if epoch > self.applied and raw.get("by") == self.router_id:
+            # our own publication, whose answer was lost: the core holds it or newer (applying it
+            # would take back what changed since: a hold undone, a version loaded since)
+            self.applied, self.confirmed, self.missing = epoch, True, False
+            return True
         if epoch > self.applied:
             try:
                 snapshot = VersionSnapshot.from_json(json.loads(raw["snapshot"]))
@@ -88,17 +100,28 @@ class VersionSync:
             self.on_change()
         return True
 
-    async def publish(self, core: DecisionCore) -> bool:
-        """Publish the core's snapshot as the next epoch; False when Redis is unreachable."""
-        snapshot = json.dumps(core.versions_snapshot().as_json())
+    async def publish(self, core: DecisionCore, *, retry: bool = False, timeout_s: float | None = None) -> bool:
+        """Publish the core's snapshot as the next epoch (past Redis's and this router's own,
+        ``PUBLISH_VERSIONS``); False when Redis is unreachable or did not answer in time (then
+        :attr:`pending`: the sync round publishes again). ``retry``: that publication again, not
+        written over a newer one of another router (False then, and nothing pending)."""
+        snapshot = core.versions_snapshot()
+        text = json.dumps(snapshot.as_json())
         try:
-            epoch = await self.redis.call(lambda c: c.eval(PUBLISH_VERSIONS, 2, self.keys.versions,
-                                                           self.keys.versions_epoch, snapshot, self.router_id,
-                                                           self.keys.events, ""))
+            epoch, written = await self.redis.call(
+                lambda c: c.eval(PUBLISH_VERSIONS, 2, self.keys.versions, self.keys.versions_epoch, text,
+                                 self.router_id, self.keys.events, "", self.applied, "1" if retry else ""),
+                timeout_s=timeout_s, background=retry)
         except StateUnavailable as exc:
-            log.warning("could not publish versions: %s", exc)
+            if not self.pending:
+                log.warning("could not publish versions (published again once redis answers): %s", exc)
+            self.pending = True
             return False
-        self.applied, self.confirmed, self.missing = int(epoch), True, False
+        self.pending = False
+        if not int(written):  # another router published since: its snapshot is fetched and applied
+            log.warning("versions not published again: another router published epoch %s since", epoch)
+            return False
+        self.applied, self.confirmed, self.missing, self.last = int(epoch), True, False, snapshot
         return True
 
     async def restore(self, core: DecisionCore, others_alive: bool) -> None:
@@ -110,14 +133,14 @@ class VersionSync:
             snapshot, epoch = self.seed, 0
         else:
             return  # a router that holds a view will re-publish it; then we apply it
-        result = await self.redis.call(lambda c: c.eval(PUBLISH_VERSIONS, 2, self.keys.versions,
-                                                        self.keys.versions_epoch, json.dumps(snapshot.as_json()),
-                                                        self.router_id, self.keys.events, str(epoch)))
-        if int(result) == epoch:
+        result, written = await self.redis.call(
+            lambda c: c.eval(PUBLISH_VERSIONS, 2, self.keys.versions, self.keys.versions_epoch,
+                             json.dumps(snapshot.as_json()), self.router_id, self.keys.events, str(epoch), "", ""))
+        if int(written):
             if not self.confirmed:
                 core.apply_versions(snapshot)
                 self.on_change()
-            self.applied, self.confirmed, self.missing = epoch, True, False
+            self.applied, self.confirmed, self.missing, self.last = epoch, True, False, snapshot
             log.warning("re-published versions (epoch %d) to an empty redis", epoch)
 
     # -- the weight-update lock ------------------------------------------------------------------

@@ -49,22 +49,29 @@ the replica the writer read (a deliberate move: unhealthy or over its load); oth
 current value wins and is returned. The start version of a moved pin is kept."""
 
 PUBLISH_VERSIONS = """
--- KEYS: versions hash, epoch key; ARGV: snapshot JSON, router id, channel, restore epoch ('' = new)
+-- KEYS: versions hash, epoch key; ARGV: snapshot JSON, router id, channel, restore epoch ('' = new),
+-- floor (the publisher's own epoch), retry ('1': not over another router's newer snapshot)
 local cur = tonumber(redis.call('GET', KEYS[2]) or '-1')
 local epoch
 if ARGV[4] == '' then
-  epoch = redis.call('INCR', KEYS[2])
+  local floor = tonumber(ARGV[5]) or -1
+  if ARGV[6] == '1' and cur > floor and redis.call('HGET', KEYS[1], 'by') ~= ARGV[2] then return {cur, 0} end
+  epoch = math.max(cur, floor) + 1
 else
   epoch = tonumber(ARGV[4])
-  if epoch <= cur then return cur end
-  redis.call('SET', KEYS[2], epoch)
+  if epoch <= cur then return {cur, 0} end
 end
+redis.call('SET', KEYS[2], epoch)
 redis.call('HSET', KEYS[1], 'epoch', epoch, 'snapshot', ARGV[1], 'by', ARGV[2])
 redis.call('PUBLISH', ARGV[3], 'versions\\t' .. epoch)
-return epoch
+return {epoch, 1}
 """
-"""A new snapshot gets the next epoch; a restored one (after Redis restarted empty) is written
-only when its epoch is newer than what Redis holds. Returns the epoch in Redis."""
+"""Returns ``{epoch in Redis, 1 if written else 0}``. A new snapshot gets an epoch past both
+Redis's and the publisher's own (``floor``): after Redis lost its data (restarted empty,
+flushed) the epoch counter starts again, and routers that applied a higher epoch would ignore
+every snapshot below it. A ``retry`` (a publication whose answer never came, sent again) is
+written only while no other router published past ``floor``. A restored one (after Redis
+restarted empty) is written only when its epoch is newer than what Redis holds."""
 
 RELEASE_LOCK = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end

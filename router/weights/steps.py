@@ -106,6 +106,9 @@ class Steps:
         self.life.rotation_changed()
         rec.in_rotation, rec.phase = True, "failed"
         rec.note("shared state unreachable: other routers could not be told to hold dispatch; not updated")
+        # the hold may have been written all the same (its answer lost): the other routers must
+        # see the replica back too; if this fails as well, the sync round publishes it again
+        await self.publish()
         return False
 
     async def settle(self, rid: ReplicaId, rec: ReplicaUpdate, pause_mode: str, drain_s: float,

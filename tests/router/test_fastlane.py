@@ -471,6 +471,41 @@ async def test_a_client_that_does_not_read_stops_the_lane_taking_its_requests():
         sock.close()
 
 
+async def test_a_client_that_does_not_read_stops_the_lane_reading_its_requests(monkeypatch):
+    """The lane stops reading, not only serving, a client that reads none of its answers: what
+    it buffers stays within one request (``max_head + max_body``) and a read. It used to read on
+    after each answer (``resume_reading`` while the write side was paused) and buffer all a
+    client sent: an attacker grew a router by 300 MB on one connection."""
+    from router.fastlane import FastLane
+
+    buffered: list[int] = []
+    received = FastLane.data_received
+
+    def counting(lane, data):
+        received(lane, data)
+        buffered.append(len(lane.buffer))
+
+    monkeypatch.setattr(FastLane, "data_received", counting)
+    max_body = 65536
+    async with fake_replica() as replica, edge_router(replica, max_body_bytes=max_body) as (url, app):
+        parts = urlsplit(url)
+        sock = __import__("socket").socket()
+        sock.setsockopt(__import__("socket").SOL_SOCKET, __import__("socket").SO_RCVBUF, 4096)
+        sock.connect((parts.hostname, parts.port))
+        sock.setblocking(False)
+        loop = asyncio.get_running_loop()
+        chunk, sent = completion(list(range(5, 1000)), extra={"prompt_logprobs": 1}) * 64, 0  # ~40 KB answers
+        while sent < 96 * 2**20:  # past the kernel's buffers (tcp_rmem can autotune to 32 MB)
+            try:
+                await asyncio.wait_for(loop.sock_sendall(sock, chunk), 2.0)
+            except (TimeoutError, OSError):
+                break
+            sent += len(chunk)
+        sock.close()
+    limit = app[keys.CONFIG].router.max_header_bytes + max_body + 2**20  # one request and one read
+    assert buffered and max(buffered) < limit, f"the lane buffered {max(buffered) / 2**20:.1f} MB of {sent / 2**20:.0f} sent"
+
+
 def _line_by_line(head: bytes, max_body: int):
     """The lane's head parser as it was before its regular expressions (the reference)."""
     import re

@@ -151,3 +151,109 @@ async def test_a_newer_version_epoch_that_cannot_be_read_stops_salting_until_it_
         assert fresh.salt == cache_salt_for_version(6) and b.state.versions.confirmed
     finally:
         redis.close()
+
+
+def _update(core, rid, version: int, policy: str = "keep+salt") -> None:
+    """One replica's update as ``router.weights.steps`` makes it: held, loaded, back in rotation."""
+    core.set_rotation(rid, "updating")
+    core.version_loaded(rid, version)
+    core.set_rotation(rid, None)
+    core.finish_update(version, policy)
+
+
+async def _rounds(*routers, n: int = 3) -> None:
+    for _ in range(n):
+        for r in routers:
+            await r.state.sync_round()
+
+
+async def test_after_redis_is_flushed_the_updater_keeps_its_own_versions_and_the_next_epoch_reaches_everyone(tmp_path):
+    """Redis loses its data (FLUSHALL) after updates published by one router: that router must
+    not fall back to an older snapshot (it used to re-apply the last one it had *fetched*, with
+    replicas mid-update: out of rotation on it for good), and the next update's epoch must pass
+    what every router applied (the counter restarted at 1 and routers at epoch 25 ignored it)."""
+    redis = RedisProcess(tmp_path).start()
+    try:
+        a, b = Router(redis.url, "f7:"), Router(redis.url, "f7:")
+        await a.state.start(a.app, a.core)
+        await b.state.start(b.app, b.core)
+        for version in (1, 2, 3):
+            for rid in (R0, R1):
+                a.core.set_rotation(rid, "updating")
+                assert await a.state.publish_versions(a.core)  # the hold, as steps.hold publishes it
+                # a's own pub/sub echo can win the race with the publication's answer: it fetches
+                # the hold it wrote (what its view must not fall back to later)
+                a.state.versions.applied -= 1
+                await a.state.versions.fetch(a.core)
+                await b.state.sync_round()
+                a.core.version_loaded(rid, version)
+                a.core.set_rotation(rid, None)
+                a.core.finish_update(version, "keep+salt")
+                assert await a.state.publish_versions(a.core)
+        await _rounds(a, b)
+        applied = b.state.versions.applied
+        assert b.core.versions.loaded == {R0: 3, R1: 3} and not b.core.versions.rotation
+        await a.state.redis.client.flushall()
+        await _rounds(a, b)
+        a.state.versions.reapply(a.core)  # as when the registry brings a replica another router added
+        for r in (a, b):
+            assert r.core.versions.loaded == {R0: 3, R1: 3} and not r.core.versions.rotation, r.core.versions.rotation
+        _update(a.core, R0, 4)
+        _update(a.core, R1, 4)
+        assert await a.state.publish_versions(a.core) and a.state.versions.applied > applied
+        await _rounds(b)
+        assert b.core.versions.loaded == {R0: 4, R1: 4} and b.core.versions.current == 4
+        job = await b.route(RequestSpec(list(range(64))), 1.0)
+        assert job.salt == cache_salt_for_version(4)
+        await a.state.redis.client.flushall()  # and an update right after, before any sync round
+        _update(a.core, R0, 5)
+        _update(a.core, R1, 5)
+        assert await a.state.publish_versions(a.core) and a.state.versions.applied > b.state.versions.applied
+        job = await b.route(RequestSpec(list(range(64))), 2.0)
+        assert job.salt == cache_salt_for_version(5) and b.core.versions.loaded == {R0: 5, R1: 5}
+    finally:
+        redis.close()
+
+
+async def test_a_hold_whose_answer_was_lost_is_taken_back_on_every_router(tmp_path):
+    """A publication Redis ran but whose answer came too late (SIGSTOPped Redis): the updater
+    counts the hold as failed and puts the replica back; the other routers, which read the hold
+    from Redis, must see it back too (they kept it out of rotation with no update running)."""
+    redis = RedisProcess(tmp_path).start()
+    try:
+        a, b = Router(redis.url, "f8:", timeout_s=0.1), Router(redis.url, "f8:")
+        a.state.redis.breaker.reset_s = 0.2
+        await a.state.start(a.app, a.core)
+        await b.state.start(b.app, b.core)
+        a.core.set_rotation(R1, "updating")
+        redis.stop()
+        assert not await a.state.publish_versions(a.core)  # no answer within 0.1 s
+        a.core.set_rotation(R1, None)  # steps.hold: the update does not go ahead
+        assert not await a.state.publish_versions(a.core)
+        redis.cont()
+        await asyncio.sleep(0.3)
+        await b.state.sync_round()
+        assert b.state.versions.applied >= 1  # the hold was written all the same: b read it
+        await _rounds(a, b)
+        for r in (a, b):
+            assert not r.core.versions.rotation, r.core.versions.rotation
+        assert not a.state.versions.pending
+    finally:
+        redis.close()
+
+
+async def test_a_publication_sent_again_never_overwrites_a_newer_one_of_another_router(tmp_path):
+    redis = RedisProcess(tmp_path).start()
+    try:
+        a, b = Router(redis.url, "f9:"), Router(redis.url, "f9:")
+        await a.state.start(a.app, a.core)
+        await b.state.start(b.app, b.core)
+        a.core.set_rotation(R0, "updating")
+        a.state.versions.pending = True  # as after a publication whose answer was lost
+        _update(b.core, R1, 7)
+        assert await b.state.publish_versions(b.core)  # b ran an update since
+        await _rounds(a, n=1)
+        assert not a.state.versions.pending and a.core.versions.loaded[R1] == 7
+        assert (await a.state.redis.client.hget("f9:versions", "by")) == b.state.router_id
+    finally:
+        redis.close()
