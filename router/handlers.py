@@ -59,10 +59,15 @@ async def end_session(request: web.Request) -> web.Response:
     """DELETE /v1/sessions/{session_id}: the client is done with the session; its pin and parked
     prefix are released at once (idle expiry remains for clients that never say so). 200 either
     way: ``"ended": true`` when the router held the session, ``false`` (with a ``message``) when
-    it held nothing to end (never seen, already ended, or expired idle)."""
+    it held nothing to end (never seen, already ended, or expired idle). With shared state its pin
+    goes from Redis too and every router ends it (``router.state.pins.PinSync.end``): a new
+    session under the same id starts fresh everywhere (replica, start version)."""
     session_id = key_text("session_id", request.match_info["session_id"], request.app[keys.LIMITS])
-    if not request.app[keys.CORE].end_session(session_id):
+    life = request.app[keys.LIFECYCLE]
+    here = request.app[keys.CORE].end_session(session_id)
+    shared = await life.shared.end_session(session_id) if life.shared is not None else False
+    if not (here or shared):
         return web.json_response({"session_id": session_id, "ended": False, "message": (
             f"no session {echo(session_id)!r} on this router: never seen, already ended, or expired idle")})
-    request.app[keys.LIFECYCLE].pump()
+    life.pump()
     return web.json_response({"session_id": session_id, "ended": True})

@@ -112,6 +112,8 @@ class Lifecycle:
         """Dispatched attempts per replica (what a weight update drains, preempts or marks)."""
         self.reruns: dict[int, int] = {}
         """Per job id, how many times a weight update made it run again (reported in its answer)."""
+        self._background: set[asyncio.Task] = set()
+        """Sessions' ends on their way to shared state (referenced until done)."""
 
     async def run(self, spec: RequestSpec, attempt: Attempt[T], status: Callable[[T], int],
                   failed: Callable[[T], bool] = lambda _: False, *, streaming: bool = False) -> T:
@@ -159,6 +161,8 @@ class Lifecycle:
         finally:
             self.reruns.pop(job.id, None)
             self._finish(job, outcome)
+            if outcome == "ok" and spec.ends_session and spec.session_id is not None:
+                self._end_shared(spec.session_id)
 
     async def _fly(self, job: Job, attempt: Attempt[T], streaming: bool) -> T:
         """Run ``attempt`` in this task, which a weight update may cancel to take it back
@@ -187,6 +191,15 @@ class Lifecycle:
                 held.pop(job.id, None)
                 if not held:
                     del self.flights[rid]
+
+    def _end_shared(self, session_id: str) -> None:
+        """The session's last turn ended (``X-Session-End``; the core ended it here): end it in
+        shared state too, off the answer's path (``shared.end_session`` never raises)."""
+        if self.shared is None:
+            return
+        task = asyncio.get_running_loop().create_task(self.shared.end_session(session_id))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def state_sizes(self) -> dict[str, int]:
         """Entries the lifecycle holds (0 once nothing is in flight): ``flights`` (attempts

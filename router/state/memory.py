@@ -26,6 +26,10 @@ class MemoryState:
         """Nothing to claim."""
         return None
 
+    async def end_session(self, session_id: str) -> bool:
+        """No other router holds sessions: False (the core's own end is the whole of it)."""
+        return False
+
     def _holder(self) -> str | None:
         if self._lock is not None and self._lock[1] <= time.monotonic():
             self._lock = None

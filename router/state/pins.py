@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from cache_policy.core import DecisionCore, Job, RequestSpec
 from cache_policy.types import ReplicaId
 from router.state.redis_client import GuardedRedis, StateUnavailable
-from router.state.wire import CLAIM, Keys, decode_pin, encode_pin
+from router.state.wire import CLAIM, END_PIN, PIN_ENDED, Keys, decode_pin, encode_pin
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,8 @@ class PinSync:
         self.dirty: OrderedDict[tuple[str, str], ReplicaId | None] = OrderedDict()
         self.moved = 0
         """Jobs moved to another router's winning pin (a metric)."""
+        self.ended: OrderedDict[str, None] = OrderedDict()
+        """Sessions ended while Redis was unreachable: their pins are dropped when it is back."""
 
     async def read(self, core: DecisionCore, spec: RequestSpec, extra: list[str]) -> tuple[Seen, list]:
         """MGET ``extra`` keys + the request's pins; adopt the pins. Returns the ``Seen`` and the
@@ -146,13 +148,39 @@ class PinSync:
             self.dirty.clear()
         return len(wanted)
 
-    def on_event(self, core: DecisionCore, fields: list[str]) -> None:
-        """A pin another router wrote (``events`` channel): adopt it."""
+    async def end(self, session_id: str) -> bool:
+        """The client ended ``session_id``: drop its pin in Redis and tell every router
+        (``END_PIN``). True when Redis held it. Never raises: Redis unreachable, the end is kept
+        (bounded) and sent by :meth:`end_pending` once it is back."""
+        try:
+            return bool(await self.redis.call(lambda c: c.eval(END_PIN, 1, self.keys.pin("session", session_id),
+                                                               self.keys.events, PIN_ENDED)))
+        except StateUnavailable:
+            self.ended[session_id] = None
+            self.ended.move_to_end(session_id)
+            while len(self.ended) > MAX_DIRTY:
+                self.ended.popitem(last=False)
+            return False
+
+    async def end_pending(self, timeout_s: float) -> None:
+        """Send the ends kept while Redis was unreachable. Raises StateUnavailable."""
+        while self.ended:
+            session_id = next(iter(self.ended))
+            await self.redis.call(lambda c: c.eval(END_PIN, 1, self.keys.pin("session", session_id),
+                                                   self.keys.events, PIN_ENDED), timeout_s=timeout_s, background=True)
+            self.ended.pop(session_id, None)
+
+    def on_event(self, core: DecisionCore, fields: list[str]) -> bool:
+        """A pin another router wrote (``events`` channel): adopt it; or a session it ended: end
+        it here too. True when this router ended a session it held (admission may admit more)."""
         if len(fields) != 2 or not fields[0].startswith(self.keys.prefix + "pin:"):
-            return
+            return False
         kind, _, key = fields[0][len(self.keys.prefix) + 4:].partition(":")
+        if fields[1] == PIN_ENDED:
+            return kind == "session" and core.end_session(key)
         replica, start = decode_pin(fields[1])
         core.adopt_pin(kind, key, ReplicaId(replica) if replica else None, start, now=time.monotonic())
+        return False
 
 
 __all__ = ["PinSync", "Seen", "encode_pin", "pin_keys"]

@@ -68,6 +68,11 @@ class RedisState:
         """After ``core.place``: claim the pins; follow another router's winning pin. Never raises."""
         await self.pins.claim(core, job, seen, now)
 
+    async def end_session(self, session_id: str) -> bool:
+        """The client ended ``session_id`` (on this router): its shared pin goes and every router
+        ends it (``PinSync.end``). True when Redis held its pin. Never raises."""
+        return await self.pins.end(session_id)
+
     # -- the weight updater's API (/work/helpers/STATE-API.md) -------------------------------------
 
     async def acquire_update_lock(self, owner: str, ttl_s: float) -> bool:
@@ -151,6 +156,8 @@ class RedisState:
             if await self.registry.pull(self.app, t):
                 self.versions.reapply(core)
             await self.registry.push(self.app, t)
+            if self.pins.ended:
+                await self.pins.end_pending(t)
             if self._republish_all or self._reconcile or self.pins.dirty:
                 await self.pins.republish(core, everything=self._republish_all, timeout_s=4 * t)
                 self._reconcile = self._republish_all = False
@@ -202,10 +209,13 @@ class RedisState:
                     pass
 
     async def _on_message(self, core: DecisionCore, data: str) -> None:
+        from router import keys
+
         kind, fields = parse_event(data)
         try:
             if kind == "pin":
-                self.pins.on_event(core, fields)
+                if self.pins.on_event(core, fields) and keys.LIFECYCLE in self.app:
+                    self.app[keys.LIFECYCLE].pump()  # its parked prefix no longer holds room
             elif kind == "versions" and fields and int(fields[0]) > self.versions.applied:
                 await self.versions.fetch(core)
             elif kind == "replicas" and await self.registry.pull(self.app, self.background_timeout_s):

@@ -12,7 +12,7 @@ Keys, all under ``prefix`` (``router.redis_prefix``)::
     load:<id>            JSON: that router's in-flight share per replica, EX router TTL
     lock:update          owner of the weight-update lock, PX its TTL
     instance             random token: a different or missing one means Redis restarted empty
-    events               pub/sub channel: "pin\\t<kind>\\t<key>\\t<value>", "versions\\t<epoch>", "replicas\\t<seq>"
+    events               pub/sub channel: "pin\\t<key>\\t<value or - when ended>", "versions\\t<epoch>", "replicas\\t<seq>"
 """
 
 from __future__ import annotations
@@ -72,6 +72,19 @@ flushed) the epoch counter starts again, and routers that applied a higher epoch
 every snapshot below it. A ``retry`` (a publication whose answer never came, sent again) is
 written only while no other router published past ``floor``. A restored one (after Redis
 restarted empty) is written only when its epoch is newer than what Redis holds."""
+
+PIN_ENDED = "-"
+"""The value an ``events`` pin message carries when its session ended (no pin is ``"|"``-less)."""
+
+END_PIN = """
+-- KEYS: pin key; ARGV: channel, the ended marker
+local had = redis.call('DEL', KEYS[1])
+redis.call('PUBLISH', ARGV[1], 'pin\\t' .. KEYS[1] .. '\\t' .. ARGV[2])
+return had
+"""
+"""A session's client ended it (``DELETE /v1/sessions/{id}`` or its ``X-Session-End`` turn): its
+pin goes (a new session under the id starts fresh, not on the old replica and version) and every
+router ends its own record. Returns 1 when Redis held the pin."""
 
 RELEASE_LOCK = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
