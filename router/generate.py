@@ -93,6 +93,8 @@ async def forward(client: web.Request, parsed: ParsedRequest, token_ids: list[in
                 resp = ahead
             else:
                 life.check_versions(job)  # a non-streamed answer is never mixed: run it again
+                if resp.status == 200 and resp.aborted():
+                    raise life.aborted(job)  # nor returned partial
         if isinstance(resp, AnswerAhead):
             cached, job.generated_tokens = resp.result.cached_tokens(), resp.result.completion_tokens()
             resp = resp.sent

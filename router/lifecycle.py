@@ -46,6 +46,8 @@ T = TypeVar("T")
 SHUTDOWN_RETRY_AFTER_S = 5
 """What a request refused by a stopping router is told to wait (``router.shutdown``)."""
 Attempt = Callable[[Job, ReplicaEndpoint], Awaitable[T]]
+MAX_ABORT_RERUNS = 3
+"""Times one request runs again after its engine aborted it (``Lifecycle.aborted``)."""
 
 
 class RetryElsewhere(Exception):
@@ -219,6 +221,17 @@ class Lifecycle:
             # from the version it was dispatched under (a long-cut log's first kept entry is later)
             now = self.core.versions_since(job)[-1]
             raise Rerun(f"replica {job.replica_id} moved from version {job.weight_version} to {now} while the request ran")
+
+    def aborted(self, job: Job) -> Exception:
+        """What to raise for ``job``'s non-streamed answer its engine aborted part way (a choice's
+        ``finish_reason: "abort"``): Rerun (whole, on any replica, no failure counted: a weight
+        update under ``pause_mode: abort``, run by this router or another, takes work back this
+        way), at most :data:`MAX_ABORT_RERUNS` times; then RetryElsewhere (a replica that aborts
+        everything fails like one that answers 5xx)."""
+        rid = job.replica_id
+        if self.reruns.get(job.id, 0) < MAX_ABORT_RERUNS:
+            return Rerun(f"replica {rid} aborted the request part way (a weight update paused it?)")
+        return RetryElsewhere(f"replica {rid} aborted the request part way, again")
 
     def versions_moved(self, job: Job) -> bool:
         """Whether ``job``'s replica served more than one version since its dispatch."""

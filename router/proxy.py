@@ -156,6 +156,17 @@ class UpstreamResult:
         n = (self.usage() or {}).get("completion_tokens")
         return n if isinstance(n, int) and not isinstance(n, bool) and n >= 0 else None
 
+    def aborted(self) -> bool:
+        """Some choice ended with ``finish_reason: "abort"``: the engine stopped it part way (a
+        weight update's ``/pause?mode=abort`` run by any router, or vLLM's own abort), so the
+        answer is partial."""
+        if b'"abort"' not in self.raw:
+            return False
+        payload = self.payload
+        choices = payload.get("choices") if isinstance(payload, dict) else None
+        return isinstance(choices, list) and any(isinstance(c, dict) and c.get("finish_reason") == "abort"
+                                                 for c in choices)
+
     def spliceable(self) -> bool:
         """Whether the body is one strict JSON object in valid UTF-8 without a ``rollout_router``
         member, however its key is spelled: bytes that can be passed on as they are with that

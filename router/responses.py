@@ -164,8 +164,8 @@ class AnswerAhead:
     def deliver(self, status: int, raw: bytes) -> bool:
         """Answer the client with the replica's whole answer (``status``, ``raw``) now; False when
         this answer is left to the task (class docstring)."""
-        if status != 200 or self.client.answered or self.versions_moved():
-            return False
+        if status != 200 or self.client.answered or self.versions_moved() or b'"abort"' in raw:
+            return False  # the task judges it (an aborted answer runs again: Lifecycle.aborted)
         result = UpstreamResult(status, raw)
         if not result.spliceable():
             return False

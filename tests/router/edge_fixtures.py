@@ -4,7 +4,8 @@ The fake replica answers ``/v1/completions`` and ``/v1/chat/completions`` like v
 usage, ``prompt_logprobs`` rows when asked, or vLLM's 400 error shape when the body asks for it:
 ``temperature < 0``, a string ``seed``, or ``x_replica_param`` naming the ``param`` to refuse)
 and records every body it receives. ``x_cached`` sets the cached tokens its usage reports,
-``x_no_usage`` drops the usage, ``x_answer_extra`` adds members to its answer.
+``x_no_usage`` drops the usage, ``x_answer_extra`` adds members to its answer, ``x_aborts: n``
+ends the first ``n`` such requests with ``finish_reason: "abort"`` (as a ``/pause?mode=abort`` does).
 """
 
 from __future__ import annotations
@@ -52,7 +53,9 @@ def fake_replica_app(seen: list[dict[str, Any]]) -> web.Application:
         if "x_replica_param" in body:  # a refusal naming the field vLLM's way, as the body says
             return web.json_response({"error": {**VLLM_BODY_PARAM, "param": body["x_replica_param"]}}, status=400)
         prompt = body.get("prompt") or []
-        choice: dict[str, Any] = {"index": 0, "text": "ok"}
+        choice: dict[str, Any] = {"index": 0, "text": "ok", "finish_reason": "length"}
+        if "x_aborts" in body and sum("x_aborts" in b for b in seen) <= body["x_aborts"]:  # its first attempts
+            choice.update(text="o", finish_reason="abort")  # as vLLM ends work a /pause?mode=abort stopped
         if body.get("prompt_logprobs") is not None:  # a scoring request: one row per prompt token but the first
             choice["prompt_logprobs"] = [None] + [{str(t): {"logprob": -0.5, "rank": 1}} for t in prompt[1:]]
         usage = {"prompt_tokens": len(prompt), "completion_tokens": 1,

@@ -165,3 +165,22 @@ async def test_malformed_chunked_framing_is_a_4xx_and_the_router_goes_on(caplog)
         assert (status, body["error"]["param"], body["error"]["type"]) == (408, "body", "invalid_request_error")
         assert (await post(url, "/v1/completions", json={"prompt": [5, 6]}))[0] == 200
         assert len(replica.bodies) == 1  # only the well-formed request reached the replica
+
+
+@pytest.mark.parametrize("aborts", [1, 3])
+async def test_an_answer_its_engine_aborted_part_way_is_run_again_whole_not_returned(aborts):
+    """A replica paused with ``mode=abort`` (a weight update run by this router or another) ends
+    running work with ``finish_reason: "abort"`` and the tokens so far: a 200 that is partial.
+    The router runs it again whole (``reruns`` says so) instead of returning it; a fresh attacker
+    saw 14 such answers returned by the router that did not run the update."""
+    async with fake_replica() as replica, edge_router(replica) as (url, _):
+        status, body = await post(url, "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 1, "x_aborts": aborts})
+    assert status == 200 and body["choices"][0]["finish_reason"] == "length"
+    assert body["rollout_router"]["reruns"] == aborts and len(replica.bodies) == aborts + 1
+
+
+async def test_a_replica_that_aborts_everything_fails_the_request_after_a_few_runs():
+    async with fake_replica() as replica, edge_router(replica) as (url, _):
+        status, body = await post(url, "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 1, "x_aborts": 99})
+    assert status in (502, 503) and "error" in body  # a failure, never a partial 200
+    assert len(replica.bodies) == 4  # three runs again, then a retry elsewhere: no other replica
