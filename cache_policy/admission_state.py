@@ -68,13 +68,15 @@ def project(view: ReplicaView, ledger: KvLedger, registry: KeyRegistry, *, parke
                        view.scoring_cap, view.weight_version, view.queued)
 
 
-def running_blocks(view: ReplicaView, ledger: KvLedger) -> float:
+def running_blocks(view: ReplicaView, ledger: KvLedger, unused: int = 0, unused_unseen: int = 0) -> float:
     """Blocks the requests in flight on ``view``'s replica hold once they reach their peak:
     ``max(scraped usage * blocks + unseen, committed)``, every router's share included
-    (``view.kv_cache_usage`` is the scraped usage here, not a projection)."""
+    (``view.kv_cache_usage`` is the scraped usage here, not a projection). ``unused`` /
+    ``unused_unseen``: blocks counted at a peak in ``committed`` / ``unseen`` known never to
+    be reached (a finished request's peak past what it generated)."""
     rid, peer = view.replica_id, ledger.peer(view.replica_id)
-    return max(view.kv_cache_usage * view.num_gpu_blocks + ledger.unseen(rid) + peer.unseen,
-               ledger.committed(rid) + peer.committed)
+    return max(view.kv_cache_usage * view.num_gpu_blocks + ledger.unseen(rid) + peer.unseen - unused_unseen,
+               ledger.committed(rid) + peer.committed - unused)
 
 
 def parked_limit(cfg: PolicyConfig, capacity: int) -> int | None:

@@ -567,10 +567,12 @@ class DecisionCore:
             self.policy.on_finished(job.view, rid)
             if job.ticket is not None:
                 capacity = self._raw_view(rid).num_gpu_blocks if rid in self.replicas else 0
+                generated = job.spec.new_tokens if job.generated_tokens is None else job.generated_tokens
+                if capacity:
+                    self._note_low(rid, job, generated, capacity)
                 self.admission.release(job.ticket, now, park=outcome == "ok", capacity=capacity,
                                        stamp=self.free_queue.freed(rid),
                                        ends_session=outcome == "ok" and job.spec.ends_session)
-                generated = job.spec.new_tokens if job.generated_tokens is None else job.generated_tokens
                 full = (job.view.num_prompt_tokens + generated) // self.block_size  # a partial block goes to the head
                 self.free_queue.release(rid, job.view.block_hashes, full, capacity,
                                         prefilled=outcome not in ("refused", "down", "unreachable"))
@@ -664,6 +666,18 @@ class DecisionCore:
                 matched = self.free_queue.surviving(rid, job.view.block_hashes, matched, free_final)
         job.decision = decision if decision.matched_blocks == matched else msgspec.structs.replace(decision, matched_blocks=matched)
         job.expected_cached_tokens = matched * self.block_size
+
+    def _note_low(self, rid: ReplicaId, job: Job, generated: int, capacity: int) -> None:
+        """``job`` (still in the ledger) is about to release its blocks on ``rid``: record the
+        free queue's low point just before (``FreeQueueModel.note``): the work in flight at its
+        peak, less what ``job`` never reached (its peak counts ``new_tokens``; it generated
+        ``generated``, each of its ``fan_out`` samples with a partial block at most)."""
+        prompt, ledger = job.view.num_prompt_tokens, self.admission.ledger
+        unused = max(0, blocks_needed(prompt + job.spec.new_tokens, 0, self.block_size)
+                     - blocks_needed(prompt + generated, 0, self.block_size) - job.spec.fan_out)
+        unseen = job.ticket is not None and ledger.is_unseen(job.ticket)  # its peak is in the unseen sum too
+        held = running_blocks(self._raw_view(rid), ledger, unused, unused if unseen else 0)
+        self.free_queue.note(rid, int(capacity - 1 - held), capacity)  # - the null block
 
     def _footprint(self, job: Job) -> int:
         """Blocks ``job`` holds on its replica at its peak (prompt + every token it may generate)."""

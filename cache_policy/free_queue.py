@@ -32,6 +32,7 @@ model may under-predict a hit (recall) but predicts one only when the engine wil
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from collections import Counter, deque
 from collections.abc import Sequence
@@ -49,6 +50,17 @@ class _ReplicaQueue:
     old: dict[BlockHash, int] = field(default_factory=dict)
     """The generation before: read where ``stamps`` has no entry."""
     freed: int = 0
+    low_freed: list[int] = field(default_factory=list)
+    """With :attr:`low_bound`: the free queue's past low points (:meth:`FreeQueueModel.note`),
+    ``low_freed`` the counter when each was recorded (nondecreasing) and ``low_bound`` the least
+    stamp a block released before it needed to survive it; kept as suffix maxima (``low_bound``
+    strictly decreasing), so one bisection answers for every low point since a block's release."""
+    low_bound: list[int] = field(default_factory=list)
+
+    def evicted_before(self, stamp: int) -> bool:
+        """Whether a block released at ``stamp`` may have been evicted at a low point since."""
+        i = bisect.bisect_right(self.low_freed, stamp)
+        return i < len(self.low_bound) and stamp < self.low_bound[i]
 
     def stamp(self, h: BlockHash) -> int | None:
         """The release stamp of ``h`` (None: never released here, or forgotten)."""
@@ -131,6 +143,30 @@ class FreeQueueModel:
             q.freed = base + c
             self._trim(q, capacity_blocks)
 
+    def note(self, rid: ReplicaId, low_free: int, capacity_blocks: int) -> None:
+        """A request on ``rid`` is about to release its blocks: just before, the free queue was at
+        its lowest since the last release (nothing frees blocks in between; the engine only
+        allocates), with at least ``low_free`` blocks (the request's own blocks as it used them,
+        every other one in flight at its peak). A free block whose rank bound ``freed - stamp``
+        exceeded that was evicted then, and stays evicted however many blocks later releases
+        leave free: :meth:`surviving` checks each such past low point, not only the present one.
+        (A CI run and a traced vLLM engine: a session's block evicted while three requests ran,
+        then counted as a hit once one of them ended and the free count rose past its rank.)"""
+        q = self._replicas.get(rid)
+        if q is None:
+            return
+        bound = q.freed - low_free
+        lf, lb = q.low_freed, q.low_bound
+        while lb and lb[-1] <= bound:
+            lb.pop()
+            lf.pop()
+        lf.append(q.freed)
+        lb.append(bound)
+        # a block released before freed - capacity fails the present check anyway: older points never decide
+        k = bisect.bisect_right(lf, q.freed - max(capacity_blocks, 1))
+        if k:
+            del lf[:k], lb[:k]
+
     @staticmethod
     def _trim(q: _ReplicaQueue, capacity_blocks: int) -> None:
         """Start a new generation of stamps when the current one holds twice the capacity: the
@@ -148,7 +184,8 @@ class FreeQueueModel:
         q = self._replicas.get(rid)
         if q is None:
             return 0
-        if NATIVE is not None and hashes.__class__ is tuple:  # one C pass: a hit is ~250 blocks
+        past = bool(q.low_bound) and q.low_bound[0] > q.freed - free_final  # a past low point is stricter
+        if NATIVE is not None and hashes.__class__ is tuple and not past:  # one C pass: a hit is ~250 blocks
             return NATIVE.surviving_run(q.refs, q.stamps, q.old, hashes, matched, q.freed, free_final)
         return _surviving_py(q, hashes, matched, free_final)
 
@@ -169,6 +206,8 @@ class FreeQueueModel:
         if q is not None:
             q.stamps.clear()
             q.old.clear()
+            q.low_freed.clear()
+            q.low_bound.clear()
 
     def remove_replica(self, rid: ReplicaId) -> None:
         """``rid`` left the fleet."""
@@ -181,6 +220,9 @@ class FreeQueueModel:
                 raise RuntimeError(f"bug: a non-positive hold count on {rid}")
             if any(s > q.freed for s in itertools.chain(q.stamps.values(), q.old.values())):
                 raise RuntimeError(f"bug: a free-queue stamp of {rid} above its counter")
+            if (len(q.low_freed) != len(q.low_bound) or q.low_freed != sorted(q.low_freed)
+                    or any(a <= b for a, b in zip(q.low_bound, q.low_bound[1:]))):
+                raise RuntimeError(f"bug: the low points of {rid} are not suffix maxima")
 
 
 def _surviving_py(q: _ReplicaQueue, hashes: Sequence[BlockHash], matched: int, free_final: int) -> int:
@@ -196,7 +238,7 @@ def _surviving_py(q: _ReplicaQueue, hashes: Sequence[BlockHash], matched: int, f
         stamp = stamp_of(h)
         if stamp is None and prev is not None:
             stamp = prev - 1  # an output block of the request that released the one before
-        if stamp is None or freed - stamp > free_final:
+        if stamp is None or freed - stamp > free_final or q.evicted_before(stamp):
             return n
         prev = stamp
     return min(matched, len(hashes))

@@ -134,6 +134,10 @@ class KvLedger:
         """Blocks the tickets on ``rid`` hold at their peak."""
         return self._blocks.get(rid, 0)
 
+    def is_unseen(self, ticket: Ticket) -> bool:
+        """Whether ``ticket`` was admitted after its replica's last scrape began (counted in :meth:`unseen`)."""
+        return ticket.admitted_at > self.scraped_at.get(ticket.replica_id, _NEVER)
+
     def unseen(self, rid: ReplicaId) -> int:
         """Blocks of tickets admitted to ``rid`` after its last scrape began."""
         return self._unseen.get(rid, 0)

@@ -68,6 +68,32 @@ def test_expected_cached_tokens_leave_out_what_the_work_since_could_have_evicted
     assert turn_after_other_work(None) == 0
 
 
+def test_a_block_evicted_while_more_work_ran_is_not_predicted_once_that_work_ended():
+    """The free queue is lowest just before a release (between releases the engine only
+    allocates): a session block evicted then stays evicted, though the present check alone (the
+    work in flight now, and the blocks released since) would count it. vLLM's rules by hand
+    (``vllm/v1/core/block_pool.py``): 63 usable blocks; the session frees 11 (its output block,
+    then blocks 9..0, appended to the tail); 52 never-used blocks sit at the head. A (21 blocks at
+    its peak) and B (37) take 58 from the head: the 52, then the session's output block and its
+    blocks 9..5. B ends (36 full blocks to the tail, its partial one to the head). The session's
+    next turn finds blocks 0..4: 80 tokens (96 if A had not yet taken its last block; the model
+    assumes it had). The present check alone said 96: a CI run on real vLLM saw the same."""
+    core = DecisionCore(PolicyConfig(), admission=False)
+    core.add_replica(R[0], block_size=16, num_gpu_blocks=64)
+    prompt = list(range(2000, 2160))  # 10 blocks
+    first, _ = run(core, RequestSpec(prompt, session_id="s", new_tokens=16), 0.0)
+    first.generated_tokens = 16
+    core.finish(first, "ok", 0.0)
+    a, _ = run(core, RequestSpec(list(range(5000, 5320)), new_tokens=16), 0.1)  # runs on
+    b, _ = run(core, RequestSpec(list(range(7000, 7560)), new_tokens=24), 0.1)
+    b.generated_tokens = 24
+    core.finish(b, "ok", 0.2)
+    again, _ = run(core, RequestSpec(prompt + [7] * 16, session_id="s", new_tokens=16), 0.3)
+    core.check_integrity()
+    assert again.expected_cached_tokens == 80
+    core.finish(a, "ok", 0.4)
+
+
 def test_a_queued_turn_is_not_predicted_to_hit_its_own_blocks():
     """A queued job's expectation is refreshed when it is admitted (evictions seen meanwhile);
     the entries its own placement predicted are not a hit: 10 blocks of the last turn, not 12."""
