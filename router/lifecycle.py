@@ -38,12 +38,14 @@ from router.errors import NoReplica, Overloaded, RouterError, UpstreamError
 from router.metrics import RouterMetrics
 from router.pool import ReplicaPool
 from router.upstream import ReplicaClient, ReplicaUnreachable
-from router.weights.report import first_span
+from router.weights.report import first_span, next_span
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 SHUTDOWN_RETRY_AFTER_S = 5
+QUIET_S, QUIET_MAX_S, QUIET_POLL_S = 0.1, 2.0, 0.025
+"""A kept stream's token count must stand still this long (at most the second) before its span ends."""
 """What a request refused by a stopping router is told to wait (``router.shutdown``)."""
 Attempt = Callable[[Job, ReplicaEndpoint], Awaitable[T]]
 MAX_ABORT_RERUNS = 3
@@ -202,6 +204,26 @@ class Lifecycle:
         task = asyncio.get_running_loop().create_task(self.shared.end_session(session_id))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+    async def mark_new_spans(self, rid: ReplicaId, version: int, recomputed: bool) -> None:
+        """Kept streams on ``rid`` enter a span of ``version`` from the tokens counted so far (the
+        router running the update, and every other router once it applies that version: its
+        engine is still paused then, ``router.weights.steps``). Once each stream's count has stood
+        still for ``QUIET_S`` every token it made before the pause has been read
+        (``router.weights.stream`` reads ahead of the client). ``recomputed``: the update's reset
+        preempted them, so they recompute their context under ``version`` (not hybrid)."""
+        streams = [f for f in self.flights.get(rid, {}).values() if f.streaming]
+        deadline, last, since = time.monotonic() + QUIET_MAX_S, None, time.monotonic()
+        while streams and time.monotonic() < deadline:
+            counts = [dict(f.tokens) for f in streams]
+            if counts != last:
+                last, since = counts, time.monotonic()
+            elif time.monotonic() - since >= QUIET_S:
+                break
+            await asyncio.sleep(QUIET_POLL_S)
+        for flight in self.flights.get(rid, {}).values():
+            if flight.streaming and flight.spans and flight.spans[-1]["weight_version"] != version:
+                flight.spans.append(next_span(flight.spans, flight.tokens, version, recomputed))
 
     def state_sizes(self) -> dict[str, int]:
         """Entries the lifecycle holds (0 once nothing is in flight): ``flights`` (attempts

@@ -58,9 +58,13 @@ class MemoryState:
         """Who holds the lock (None: free)."""
         return self._holder()
 
-    async def publish_versions(self, core: DecisionCore) -> bool:
+    async def publish_versions(self, core: DecisionCore, recomputed: dict | None = None) -> bool:
         """No other router to tell: always True."""
         return True
+
+    async def await_marked(self, timeout_s: float = 0.0) -> list[str]:
+        """No other router to wait for: none late."""
+        return []
 
     async def start(self, app, core: DecisionCore) -> None:
         """Nothing to join."""

@@ -25,6 +25,11 @@ from router.state.wire import Keys, parse_event
 
 log = logging.getLogger(__name__)
 
+MARK_TIMEOUT_S = 3.0
+"""How long an update waits for the other routers to confirm a new version before it resumes the
+engine: a sync round or two (a router that missed the pub/sub message) and a kept stream's quiet
+wait (``Lifecycle.mark_new_spans``, at most 2 s)."""
+
 
 class RedisState:
     """Shared state in Redis for one router process (see the module docstring)."""
@@ -39,7 +44,7 @@ class RedisState:
                                   on_back=self._on_back)
         self.background_timeout_s = max(0.5, 10 * timeout_s)
         self.pins = PinSync(self.redis, self.keys, pin_ttl_s)
-        self.versions = VersionSync(self.redis, self.keys, self.router_id, self._changed)
+        self.versions = VersionSync(self.redis, self.keys, self.router_id, self._changed, self._applied)
         self.registry = RegistrySync(self.redis, self.keys, self.router_id)
         self.peers = PeerSync(self.redis, self.keys, self.router_id, max(1.0, 4 * sync_interval_s))
         # ttl_s: a router that stopped beating for 4 rounds (>= 1 s) is gone, with its load share
@@ -49,6 +54,10 @@ class RedisState:
         self._republish_all = False
         self.rounds = 0
         self.restarts_seen = 0
+        self._marked = -1
+        """The newest epoch this router applied and confirmed (``marked:<id>``)."""
+        self._marking: set[asyncio.Task] = set()
+        self._logged: set[str] = set()
 
     @property
     def available(self) -> bool:
@@ -91,9 +100,58 @@ class RedisState:
         """Who holds the update lock (None: free, or Redis unreachable)."""
         return await self.versions.lock_holder()
 
-    async def publish_versions(self, core: DecisionCore) -> bool:
-        """Publish ``core``'s versions, policy and update rotation; False if Redis is unreachable."""
-        return await self.versions.publish(core)
+    async def publish_versions(self, core: DecisionCore, recomputed: dict | None = None) -> bool:
+        """Publish ``core``'s versions, policy and update rotation; False if Redis is unreachable.
+        ``recomputed``: replicas whose version this moves, and whether their kept streams
+        recomputed their context (``VersionSync.publish``)."""
+        return await self.versions.publish(core, recomputed=recomputed)
+
+    async def await_marked(self, timeout_s: float = MARK_TIMEOUT_S) -> list[str]:
+        """Wait until every other live router confirmed the epoch this router published last
+        (applied, its streams' spans marked: ``marked:<id>``); the routers that had not within
+        ``timeout_s`` (``["redis"]`` when it could not be read). Never raises."""
+        epoch, deadline = self.versions.applied, time.monotonic() + timeout_s
+        late: list[str] = []
+        while True:
+            try:
+                now = time.time()
+                alive = await self.redis.call(lambda c: c.zrangebyscore(self.keys.routers, now - self.peers.ttl_s, "+inf"))
+                others = [r for r in alive if r != self.router_id]
+                marks = await self.redis.call(lambda c: c.mget([self.keys.marked(r) for r in others])) if others else []
+            except StateUnavailable:
+                return ["redis"]
+            late = [r for r, m in zip(others, marks) if m is None or int(m) < epoch]
+            if not late or time.monotonic() >= deadline:
+                return late
+            await asyncio.sleep(0.02)
+
+    def _applied(self, epoch: int, snapshot, moved: list, recomputed: dict) -> None:
+        """Another router's snapshot (``epoch``) was applied: mark this router's kept streams on
+        the replicas whose version moved (``Lifecycle.mark_new_spans``), then confirm the epoch
+        (``marked:<id>``), which the updater waits for before it resumes the engine."""
+        task = asyncio.get_running_loop().create_task(self._mark(epoch, dict(snapshot.loaded), moved, recomputed))
+        self._marking.add(task)
+        task.add_done_callback(self._marking.discard)
+
+    async def _mark(self, epoch: int, loaded: dict, moved: list, recomputed: dict) -> None:
+        from router import keys
+
+        try:
+            life = self.app[keys.LIFECYCLE] if self.app is not None and keys.LIFECYCLE in self.app else None
+            if life is not None:
+                for rid in moved:
+                    if loaded.get(rid) is not None:
+                        await life.mark_new_spans(rid, loaded[rid], bool(recomputed.get(rid)))
+            self._marked = max(self._marked, epoch)
+            marked, ttl_ms = self._marked, max(1, int(self.peers.ttl_s * 1000))
+            await self.redis.call(lambda c: c.set(self.keys.marked(self.router_id), marked, px=ttl_ms),
+                                  timeout_s=self.background_timeout_s, background=True)
+        except StateUnavailable:
+            pass  # the next round confirms it (sync_round)
+        except Exception as exc:  # noqa: BLE001 - a background task must not die silently
+            if repr(type(exc)) not in self._logged:
+                self._logged.add(repr(type(exc)))
+                log.exception("marking streams for versions epoch %s failed (logged once per cause): %r", epoch, exc)
 
     # -- background --------------------------------------------------------------------------------
 
@@ -158,6 +216,10 @@ class RedisState:
             await self.registry.push(self.app, t)
             if self.pins.ended:
                 await self.pins.end_pending(t)
+            if self._marked >= 0 and not self._marking:  # keep the confirmation alive (its TTL is a router's)
+                marked, ttl_ms = self._marked, max(1, int(self.peers.ttl_s * 1000))
+                await self.redis.call(lambda c: c.set(self.keys.marked(self.router_id), marked, px=ttl_ms),
+                                      timeout_s=t, background=True)
             if self._republish_all or self._reconcile or self.pins.dirty:
                 await self.pins.republish(core, everything=self._republish_all, timeout_s=4 * t)
                 self._reconcile = self._republish_all = False

@@ -34,8 +34,13 @@ class VersionSync:
     ``confirmed`` is False until one is, or until this router seeded a fresh Redis).
     """
 
-    def __init__(self, redis: GuardedRedis, keys: Keys, router_id: str, on_change: Callable[[], None]) -> None:
+    def __init__(self, redis: GuardedRedis, keys: Keys, router_id: str, on_change: Callable[[], None],
+                 on_applied: Callable[[int, VersionSnapshot, list, dict], None] = lambda *_: None) -> None:
         self.redis, self.keys, self.router_id, self.on_change = redis, keys, router_id, on_change
+        self.on_applied = on_applied
+        """Called with ``(epoch, snapshot, replicas whose version moved, {replica: recomputed})``
+        after another router's snapshot was applied (``RedisState`` marks streams' spans, then
+        confirms the epoch)."""
         self.applied = -1
         self.confirmed = False
         self.seed: VersionSnapshot | None = None
@@ -98,19 +103,24 @@ class VersionSync:
                 log.info("versions from %s (epoch %d): current %s, changed %s", raw.get("by"), epoch,
                          core.versions.current, changed)
             self.on_change()
+            self.on_applied(epoch, snapshot, changed, _recomputed(raw.get("recomputed")))
         return True
 
-    async def publish(self, core: DecisionCore, *, retry: bool = False, timeout_s: float | None = None) -> bool:
+    async def publish(self, core: DecisionCore, *, retry: bool = False, timeout_s: float | None = None,
+                      recomputed: dict | None = None) -> bool:
         """Publish the core's snapshot as the next epoch (past Redis's and this router's own,
         ``PUBLISH_VERSIONS``); False when Redis is unreachable or did not answer in time (then
         :attr:`pending`: the sync round publishes again). ``retry``: that publication again, not
-        written over a newer one of another router (False then, and nothing pending)."""
+        written over a newer one of another router (False then, and nothing pending).
+        ``recomputed``: replicas whose version this publication moves, and whether their kept
+        streams recomputed their context (the other routers' new spans say so)."""
         snapshot = core.versions_snapshot()
         text = json.dumps(snapshot.as_json())
         try:
             epoch, written = await self.redis.call(
                 lambda c: c.eval(PUBLISH_VERSIONS, 2, self.keys.versions, self.keys.versions_epoch, text,
-                                 self.router_id, self.keys.events, "", self.applied, "1" if retry else ""),
+                                 self.router_id, self.keys.events, "", self.applied, "1" if retry else "",
+                                 json.dumps(recomputed or {})),
                 timeout_s=timeout_s, background=retry)
         except StateUnavailable as exc:
             if not self.pending:
@@ -135,7 +145,7 @@ class VersionSync:
             return  # a router that holds a view will re-publish it; then we apply it
         result, written = await self.redis.call(
             lambda c: c.eval(PUBLISH_VERSIONS, 2, self.keys.versions, self.keys.versions_epoch,
-                             json.dumps(snapshot.as_json()), self.router_id, self.keys.events, str(epoch), "", ""))
+                             json.dumps(snapshot.as_json()), self.router_id, self.keys.events, str(epoch), "", "", ""))
         if int(written):
             if not self.confirmed:
                 core.apply_versions(snapshot)
@@ -174,3 +184,12 @@ class VersionSync:
             return await self.redis.call(lambda c: c.get(self.keys.lock_update))
         except StateUnavailable:
             return None
+
+
+def _recomputed(raw: str | None) -> dict[str, bool]:
+    """The ``recomputed`` field of a published snapshot (empty when absent or malformed)."""
+    try:
+        value = json.loads(raw) if raw else {}
+    except ValueError:
+        return {}
+    return {str(k): bool(v) for k, v in value.items()} if isinstance(value, dict) else {}

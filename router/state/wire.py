@@ -10,6 +10,7 @@ Keys, all under ``prefix`` (``router.redis_prefix``)::
     routers              zset: router id -> last heartbeat (unix seconds)
     router:<id>          JSON: that router's view (versions, replicas, in flight), EX router TTL
     load:<id>            JSON: that router's in-flight share per replica, EX router TTL
+    marked:<id>          the newest versions epoch that router applied, its kept streams' spans marked, EX router TTL
     lock:update          owner of the weight-update lock, PX its TTL
     instance             random token: a different or missing one means Redis restarted empty
     events               pub/sub channel: "pin\\t<key>\\t<value or - when ended>", "versions\\t<epoch>", "replicas\\t<seq>"
@@ -50,7 +51,8 @@ current value wins and is returned. The start version of a moved pin is kept."""
 
 PUBLISH_VERSIONS = """
 -- KEYS: versions hash, epoch key; ARGV: snapshot JSON, router id, channel, restore epoch ('' = new),
--- floor (the publisher's own epoch), retry ('1': not over another router's newer snapshot)
+-- floor (the publisher's own epoch), retry ('1': not over another router's newer snapshot),
+-- recomputed (JSON: replicas whose version just moved -> whether their kept streams recomputed)
 local cur = tonumber(redis.call('GET', KEYS[2]) or '-1')
 local epoch
 if ARGV[4] == '' then
@@ -62,7 +64,7 @@ else
   if epoch <= cur then return {cur, 0} end
 end
 redis.call('SET', KEYS[2], epoch)
-redis.call('HSET', KEYS[1], 'epoch', epoch, 'snapshot', ARGV[1], 'by', ARGV[2])
+redis.call('HSET', KEYS[1], 'epoch', epoch, 'snapshot', ARGV[1], 'by', ARGV[2], 'recomputed', ARGV[7] or '')
 redis.call('PUBLISH', ARGV[3], 'versions\\t' .. epoch)
 return {epoch, 1}
 """
@@ -124,6 +126,10 @@ class Keys:
     def router(self, router_id: str) -> str:
         """``router:<id>``: that router's view."""
         return f"{self.prefix}router:{router_id}"
+
+    def marked(self, router_id: str) -> str:
+        """``marked:<id>``: the newest version epoch that router applied with its streams' spans marked."""
+        return f"{self.prefix}marked:{router_id}"
 
     def load(self, router_id: str) -> str:
         """``load:<id>``: that router's in-flight share."""

@@ -23,6 +23,7 @@ one whose weights are undefined (a failed load and a failed restore) or whose re
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -30,11 +31,10 @@ from typing import Any
 from cache_policy.types import ReplicaId
 from replicas.weights import ReplicaControl, WeightsState
 from router.lifecycle import Lifecycle
-from router.weights.report import next_span
+
+log = logging.getLogger(__name__)
 
 DRAIN_POLL_S = 0.05
-QUIET_S, QUIET_MAX_S = 0.1, 2.0
-"""A kept stream's token count must stand still this long (at most the second) before its span ends."""
 PREEMPT_SETTLE_S = 5.0
 """How long preempted attempts get to leave the replica (their upstream connections closed)."""
 
@@ -55,6 +55,9 @@ class ReplicaUpdate:
     """Non-streamed attempts taken back and run again (nothing had reached their clients)."""
     kept_streams: int = 0
     """Streams frozen across the update (keep) or ended by it (abort)."""
+    unconfirmed_routers: list[str] = field(default_factory=list)
+    """Other routers that had not confirmed the new version when the engine resumed (within
+    ``router.state.redis_state.MARK_TIMEOUT_S``; ``"redis"``: it could not be asked)."""
     pause_mode: str = "wait"
     reset_confirmed: bool | None = None
     error: str | None = None
@@ -90,10 +93,12 @@ class Steps:
     def control(self, rid: ReplicaId) -> ReplicaControl:
         return ReplicaControl(self.life.http, self.life.pool.get(rid).endpoint.base_url)
 
-    async def publish(self) -> bool:
-        """Versions and rotation to the other routers (``router.state``); True without any."""
+    async def publish(self, recomputed: dict[ReplicaId, bool] | None = None) -> bool:
+        """Versions and rotation to the other routers (``router.state``); True without any.
+        ``recomputed``: replicas whose version just moved, and whether their kept streams
+        recomputed their context (the others' new spans say so)."""
         shared = self.life.shared
-        return True if shared is None else bool(await shared.publish_versions(self.core))
+        return True if shared is None else bool(await shared.publish_versions(self.core, recomputed))
 
     async def hold(self, rid: ReplicaId, rec: ReplicaUpdate) -> bool:
         """Out of rotation; False (and back in) when the others could not be told."""
@@ -164,10 +169,12 @@ class Steps:
         self.paths[rid] = new_path  # pushed weights have no folder unless the trainer names one
         if rec.reset_confirmed:
             self.core.cache_reset(rid)
+        recomputed = bool(rec.reset_confirmed) and preempt
         if kept:
-            await self._new_spans(rid, version, recomputed=bool(rec.reset_confirmed) and preempt)
+            await self.life.mark_new_spans(rid, version, recomputed)
         rec.weight_version = version
         self.core.finish_update(version, policy)  # type: ignore[arg-type]  # new work moves to it
+        await self._tell_before_resume(rid, rec, recomputed)
         await self._resume(rid, rec, ctl)
         rec.ok = rec.in_rotation and rec.error is None
 
@@ -178,6 +185,21 @@ class Steps:
             rec.weights, error = await ctl.restore(self.paths.get(rid), "update aborted")
             rec.note(None if rec.weights == "previous" else error)
         await self._resume(rid, rec, ctl, released=True)
+
+    async def _tell_before_resume(self, rid: ReplicaId, rec: ReplicaUpdate, recomputed: bool) -> None:
+        """The new version, published while the engine is still paused, and every other router's
+        word that it applied it (its answers from ``rid`` checked, its streams there in a new
+        span: ``Lifecycle.mark_new_spans``) before a token of it is computed: else another
+        router relays new-version tokens as the old version's (a fresh attacker saw all 44 such
+        streams do so under ``keep``). Bounded (``shared.await_marked``); late routers are reported."""
+        shared = self.life.shared
+        if shared is None or not await self.publish(recomputed={rid: recomputed}):
+            return
+        rec.unconfirmed_routers = await shared.await_marked()
+        if rec.unconfirmed_routers:
+            log.warning("router(s) %s did not confirm version %s of %s before its resume: their answers from it "
+                        "may name the old version for new tokens", ", ".join(rec.unconfirmed_routers),
+                        rec.weight_version, rid)
 
     async def _resume(self, rid: ReplicaId, rec: ReplicaUpdate, ctl: ReplicaControl, released: bool = False) -> None:
         """Resume (unless the weights are undefined) and put ``rid`` back when it serves known weights."""
@@ -213,20 +235,3 @@ class Steps:
         while time.monotonic() < deadline and any(
                 not f.streaming for f in self.life.flights.get(rid, {}).values()):
             await asyncio.sleep(DRAIN_POLL_S)
-
-    async def _new_spans(self, rid: ReplicaId, version: int, recomputed: bool) -> None:
-        """Kept streams enter a span of ``version`` from the tokens counted so far. The engine is
-        paused, so once each stream's count has stood still for ``QUIET_S`` every token it made
-        before the pause has been read (``router.weights.stream`` reads ahead of the client)."""
-        streams = [f for f in self.life.flights.get(rid, {}).values() if f.streaming]
-        deadline, last, since = time.monotonic() + QUIET_MAX_S, None, time.monotonic()
-        while streams and time.monotonic() < deadline:
-            counts = [dict(f.tokens) for f in streams]
-            if counts != last:
-                last, since = counts, time.monotonic()
-            elif time.monotonic() - since >= QUIET_S:
-                break
-            await asyncio.sleep(DRAIN_POLL_S / 2)
-        for flight in self.life.flights.get(rid, {}).values():
-            if flight.streaming and flight.spans and flight.spans[-1]["weight_version"] != version:
-                flight.spans.append(next_span(flight.spans, flight.tokens, version, recomputed))
