@@ -44,16 +44,23 @@ def test_expected_cached_tokens_never_include_the_last_prompt_token():
     assert adm.ticket.blocks == 8
 
 
+def _after_a_session_turn() -> tuple[DecisionCore, list[int]]:
+    """A core without admission (one replica of 64 blocks of 16 tokens) after session ``s``'s
+    first turn: its 160-token prompt (10 blocks) and 16 generated tokens released."""
+    core = DecisionCore(PolicyConfig(), admission=False)
+    core.add_replica(R[0], block_size=16, num_gpu_blocks=64)
+    prompt = list(range(2000, 2160))
+    first, _ = run(core, RequestSpec(prompt, session_id="s", new_tokens=16), 0.0)
+    first.generated_tokens = 16
+    core.finish(first, "ok", 0.0)
+    return core, prompt
+
+
 def test_expected_cached_tokens_leave_out_what_the_work_since_could_have_evicted():
     """A session's prefix is predicted while the blocks released after it fit in the free queue
     the work in flight leaves (``cache_policy.free_queue``), counted from what was generated."""
     def turn_after_other_work(generated: int | None) -> int:
-        core = DecisionCore(PolicyConfig(), admission=False)
-        core.add_replica(R[0], block_size=16, num_gpu_blocks=64)
-        prompt = list(range(2000, 2160))  # 10 blocks
-        first, _ = run(core, RequestSpec(prompt, session_id="s", new_tokens=16), 0.0)
-        first.generated_tokens = 16
-        core.finish(first, "ok", 0.0)
+        core, prompt = _after_a_session_turn()
         other, _ = run(core, RequestSpec(list(range(5000, 5160)), new_tokens=1000), 0.1)
         other.generated_tokens = generated
         core.finish(other, "ok", 0.1)
@@ -78,12 +85,7 @@ def test_a_block_evicted_while_more_work_ran_is_not_predicted_once_that_work_end
     blocks 9..5. B ends (36 full blocks to the tail, its partial one to the head). The session's
     next turn finds blocks 0..4: 80 tokens (96 if A had not yet taken its last block; the model
     assumes it had). The present check alone said 96: a CI run on real vLLM saw the same."""
-    core = DecisionCore(PolicyConfig(), admission=False)
-    core.add_replica(R[0], block_size=16, num_gpu_blocks=64)
-    prompt = list(range(2000, 2160))  # 10 blocks
-    first, _ = run(core, RequestSpec(prompt, session_id="s", new_tokens=16), 0.0)
-    first.generated_tokens = 16
-    core.finish(first, "ok", 0.0)
+    core, prompt = _after_a_session_turn()
     a, _ = run(core, RequestSpec(list(range(5000, 5320)), new_tokens=16), 0.1)  # runs on
     b, _ = run(core, RequestSpec(list(range(7000, 7560)), new_tokens=24), 0.1)
     b.generated_tokens = 24

@@ -443,16 +443,23 @@ async def test_a_key_the_edge_refuses_is_answered_before_the_body_and_the_lanes_
             assert f'rollout_router_requests_total{{endpoint="completions",status="{status}"}} 1.0' in text, status
 
 
+def _non_reading_client(url: str):
+    """A non-blocking socket to ``url`` with a 4 KB receive buffer, for a client that reads nothing."""
+    import socket
+
+    parts = urlsplit(url)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect((parts.hostname, parts.port))
+    sock.setblocking(False)
+    return sock
+
+
 async def test_a_client_that_does_not_read_stops_the_lane_taking_its_requests():
     """Pipelined requests from a client that never reads: the lane stops at the transport's
     write buffer (pause_writing) instead of answering, and buffering, without end."""
     async with fake_replica() as replica, edge_router(replica) as (url, _):
-        parts = urlsplit(url)
-        sock = __import__("socket").socket()
-        sock.setsockopt(__import__("socket").SOL_SOCKET, __import__("socket").SO_RCVBUF, 4096)
-        sock.connect((parts.hostname, parts.port))
-        sock.setblocking(False)
-        loop = asyncio.get_running_loop()
+        sock, loop = _non_reading_client(url), asyncio.get_running_loop()
         one = completion([5, 6])
         for _ in range(200):
             try:
@@ -488,12 +495,7 @@ async def test_a_client_that_does_not_read_stops_the_lane_reading_its_requests(m
     monkeypatch.setattr(FastLane, "data_received", counting)
     max_body = 65536
     async with fake_replica() as replica, edge_router(replica, max_body_bytes=max_body) as (url, app):
-        parts = urlsplit(url)
-        sock = __import__("socket").socket()
-        sock.setsockopt(__import__("socket").SOL_SOCKET, __import__("socket").SO_RCVBUF, 4096)
-        sock.connect((parts.hostname, parts.port))
-        sock.setblocking(False)
-        loop = asyncio.get_running_loop()
+        sock, loop = _non_reading_client(url), asyncio.get_running_loop()
         chunk, sent = completion(list(range(5, 1000)), extra={"prompt_logprobs": 1}) * 64, 0  # ~40 KB answers
         while sent < 96 * 2**20:  # past the kernel's buffers (tcp_rmem can autotune to 32 MB)
             try:
