@@ -44,9 +44,9 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 SHUTDOWN_RETRY_AFTER_S = 5
+"""What a request refused by a stopping router is told to wait (``router.shutdown``)."""
 QUIET_S, QUIET_MAX_S, QUIET_POLL_S = 0.1, 2.0, 0.025
 """A kept stream's token count must stand still this long (at most the second) before its span ends."""
-"""What a request refused by a stopping router is told to wait (``router.shutdown``)."""
 Attempt = Callable[[Job, ReplicaEndpoint], Awaitable[T]]
 MAX_ABORT_RERUNS = 3
 """Times one request runs again after its engine aborted it (``Lifecycle.aborted``)."""
