@@ -60,7 +60,7 @@ class WeightUpdater:
 
     async def commit(self, version: int, weights_path: str | None) -> dict[str, Any]:
         """Two-phase: the trainer pushed ``version``: apply the policy, record it, resume."""
-        upd = self._named(version, "commit")
+        upd = await self._named(version, "commit")
         if upd.phase in ("done", "aborted", "committing") or upd is not self.active:
             return await self._join(upd.task) if upd.task is not None and not upd.task.done() else self.report(upd)
         if upd.phase != "ready":
@@ -73,7 +73,7 @@ class WeightUpdater:
 
     async def abort(self, version: int, restore: bool) -> dict[str, Any]:
         """Two-phase: resume every target on its previous weights (reloaded first when ``restore``)."""
-        upd = self._named(version, "abort")
+        upd = await self._named(version, "abort")
         if upd is not self.active or upd.phase in ("committing", "aborting"):
             return await self._join(upd.task) if upd.task is not None and not upd.task.done() else self.report(upd)
         if upd.task is not None and not upd.task.done():
@@ -252,10 +252,17 @@ class WeightUpdater:
             if shared is not None and owner is not None:
                 await shared.release_update_lock(owner)
 
-    def _named(self, version: int, what: str) -> Update:
+    async def _named(self, version: int, what: str) -> Update:
+        """The two-phase update of ``version`` this router began; UpdateInProgress (409) otherwise,
+        naming the router that began it when another one did (a router runs the updates it began)."""
         for upd in (self.active, self.last):
             if upd is not None and upd.kind == "push" and upd.req.version == version:
                 return upd
+        shared = self.life.shared
+        holder = await shared.update_lock_holder() if shared is not None else None
+        if holder is not None and holder.endswith(f":{version}"):
+            raise UpdateInProgress(f"the update of version {version} was begun on router {holder.rsplit(':', 1)[0]}: "
+                                   f"{what} it there (a router runs the updates it began)")
         raise UpdateInProgress(f"no two-phase update of version {version} to {what}; POST /admin/weights/begin first")
 
     def _targets(self, req: UpdateRequest) -> list[ReplicaId]:

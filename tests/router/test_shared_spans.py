@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import itertools
 
+import aiohttp
+
 import pytest
 
 from cache_policy.core import RequestSpec
@@ -69,3 +71,20 @@ async def test_a_router_that_does_not_confirm_is_named_not_waited_for_forever(re
         _update(a, 1)
         assert await state_a.publish_versions(a[keys.CORE], {R0: False})
         assert await state_a.await_marked(timeout_s=0.5) == [state_b.router_id]
+
+
+async def test_a_commit_sent_to_another_router_names_the_router_that_began_the_update(redis_url):
+    """A two-phase update runs on the router that began it; a commit sent to another router is a
+    409 that names that router (it said only "POST begin first", which the trainer had done)."""
+    shared = {"state": "redis", "redis_url": redis_url, "redis_prefix": f"sp{next(_prefixes)}:",
+              "state_sync_interval_s": 0.1, "admin_token": "tok"}
+    async with fake_replica() as replica, edge_router(replica, **shared) as (_, a), \
+            edge_router(replica, **shared) as (url_b, b):
+        state_a = a[keys.LIFECYCLE].shared
+        assert await state_a.acquire_update_lock(f"{state_a.router_id}:41", 30.0)  # as a's begin takes it
+        async with aiohttp.ClientSession() as http:
+            async with http.post(url_b + "/admin/weights/commit", json={"version": 41},
+                                 headers={"Authorization": "Bearer tok"}) as r:
+                assert r.status == 409
+                message = (await r.json())["error"]["message"]
+        assert state_a.router_id in message and "began" in message
