@@ -9,7 +9,6 @@ from __future__ import annotations
 import itertools
 
 import aiohttp
-
 import pytest
 
 from cache_policy.core import RequestSpec
