@@ -58,8 +58,6 @@ class PinSync:
         self.dirty: OrderedDict[tuple[str, str], ReplicaId | None] = OrderedDict()
         self.moved = 0
         """Jobs moved to another router's winning pin (a metric)."""
-        self.ended: OrderedDict[str, None] = OrderedDict()
-        """Sessions ended while Redis was unreachable: their pins are dropped when it is back."""
 
     async def read(self, core: DecisionCore, spec: RequestSpec, extra: list[str]) -> tuple[Seen, list]:
         """MGET ``extra`` keys + the request's pins; adopt the pins. Returns the ``Seen`` and the
@@ -150,25 +148,18 @@ class PinSync:
 
     async def end(self, session_id: str) -> bool:
         """The client ended ``session_id``: drop its pin in Redis and tell every router
-        (``END_PIN``). True when Redis held it. Never raises: Redis unreachable, the end is kept
-        (bounded) and sent by :meth:`end_pending` once it is back."""
+        (``END_PIN``, with a deadline on Redis's clock). True when Redis held it. Never raises.
+        While Redis is unreachable or slow the end stays local to this router (the pin expires
+        with its TTL): an end sent or run later could not tell the ended session from a new one
+        another router started under the id meanwhile."""
         try:
-            return bool(await self.redis.call(lambda c: c.eval(END_PIN, 1, self.keys.pin("session", session_id),
-                                                               self.keys.events, PIN_ENDED)))
+            # the deadline on Redis's own clock: an end it runs after the caller gave up does nothing
+            seconds, micros = await self.redis.call(lambda c: c.time())
+            deadline = seconds * 1_000_000 + micros + int(self.redis.timeout_s * 1_000_000)
+            return await self.redis.call(lambda c: c.eval(END_PIN, 1, self.keys.pin("session", session_id),
+                                                          self.keys.events, PIN_ENDED, deadline)) == 1
         except StateUnavailable:
-            self.ended[session_id] = None
-            self.ended.move_to_end(session_id)
-            while len(self.ended) > MAX_DIRTY:
-                self.ended.popitem(last=False)
             return False
-
-    async def end_pending(self, timeout_s: float) -> None:
-        """Send the ends kept while Redis was unreachable. Raises StateUnavailable."""
-        while self.ended:
-            session_id = next(iter(self.ended))
-            await self.redis.call(lambda c: c.eval(END_PIN, 1, self.keys.pin("session", session_id),
-                                                   self.keys.events, PIN_ENDED), timeout_s=timeout_s, background=True)
-            self.ended.pop(session_id, None)
 
     def on_event(self, core: DecisionCore, fields: list[str]) -> bool:
         """A pin another router wrote (``events`` channel): adopt it; or a session it ended: end

@@ -109,14 +109,16 @@ class RedisState:
     async def await_marked(self, timeout_s: float = MARK_TIMEOUT_S) -> list[str]:
         """Wait until every other live router confirmed the epoch this router published last
         (applied, its streams' spans marked: ``marked:<id>``); the routers that had not within
-        ``timeout_s`` (``["redis"]`` when it could not be read). Never raises."""
+        ``timeout_s`` (``["redis"]`` when it could not be read). A router seen alive once during
+        the wait stays awaited: one stalled past its heartbeat's TTL (a long GC pause, a frozen
+        VM) is reported, not dropped. Never raises."""
         epoch, deadline = self.versions.applied, time.monotonic() + timeout_s
-        late: list[str] = []
+        others: list[str] = []
         while True:
             try:
                 now = time.time()
                 alive = await self.redis.call(lambda c: c.zrangebyscore(self.keys.routers, now - self.peers.ttl_s, "+inf"))
-                others = [r for r in alive if r != self.router_id]
+                others += [r for r in alive if r != self.router_id and r not in others]
                 marks = await self.redis.call(lambda c: c.mget([self.keys.marked(r) for r in others])) if others else []
             except StateUnavailable:
                 return ["redis"]
@@ -214,8 +216,8 @@ class RedisState:
             if await self.registry.pull(self.app, t):
                 self.versions.reapply(core)
             await self.registry.push(self.app, t)
-            if self.pins.ended:
-                await self.pins.end_pending(t)
+            if self.versions.unreleased is not None:
+                await self.versions.release_lock(self.versions.unreleased, timeout_s=t)
             if self._marked >= 0 and not self._marking:  # keep the confirmation alive (its TTL is a router's)
                 marked, ttl_ms = self._marked, max(1, int(self.peers.ttl_s * 1000))
                 await self.redis.call(lambda c: c.set(self.keys.marked(self.router_id), marked, px=ttl_ms),

@@ -50,6 +50,8 @@ class VersionSync:
         self.last: VersionSnapshot | None = None
         """The newest snapshot this router applied from Redis or published itself (re-applied to
         replicas the registry adds later)."""
+        self.unreleased: str | None = None
+        """The owner of an update lock this router could not release (sent again by the sync round)."""
         self.pending = False
         """A publication of this router's got no answer (Redis down, or slow: it may have been
         written): the core's snapshot is published again by the next sync round (:meth:`publish`
@@ -171,12 +173,21 @@ class VersionSync:
         except StateUnavailable:
             return False
 
-    async def release_lock(self, owner: str) -> None:
-        """Delete the lock if ``owner`` holds it. Never raises (it expires anyway)."""
+    async def release_lock(self, owner: str, *, timeout_s: float | None = None) -> None:
+        """Delete the lock if ``owner`` holds it. Never raises: when Redis cannot be reached the
+        release is kept (:attr:`unreleased`) and the sync round sends it again, or every router's
+        next update would wait out the lock's TTL (60 s after a blink of under a second)."""
         try:
-            await self.redis.call(lambda c: c.eval(RELEASE_LOCK, 1, self.keys.lock_update, owner))
+            await self.redis.call(lambda c: c.eval(RELEASE_LOCK, 1, self.keys.lock_update, owner),
+                                  timeout_s=timeout_s, background=timeout_s is not None)
         except StateUnavailable as exc:
-            log.warning("could not release the update lock of %s (it expires by itself): %s", owner, exc)
+            if self.unreleased != owner:
+                log.warning("could not release the update lock of %s (released again once redis answers): %s",
+                            owner, exc)
+            self.unreleased = owner
+            return
+        if self.unreleased == owner:
+            self.unreleased = None
 
     async def lock_holder(self) -> str | None:
         """Who holds the update lock (None: free, or Redis unreachable)."""

@@ -79,14 +79,18 @@ PIN_ENDED = "-"
 """The value an ``events`` pin message carries when its session ended (no pin is ``"|"``-less)."""
 
 END_PIN = """
--- KEYS: pin key; ARGV: channel, the ended marker
+-- KEYS: pin key; ARGV: channel, the ended marker, deadline (Redis's clock, microseconds)
+local t = redis.call('TIME')
+if tonumber(t[1]) * 1000000 + tonumber(t[2]) > tonumber(ARGV[3]) then return -1 end
 local had = redis.call('DEL', KEYS[1])
 redis.call('PUBLISH', ARGV[1], 'pin\\t' .. KEYS[1] .. '\\t' .. ARGV[2])
 return had
 """
 """A session's client ended it (``DELETE /v1/sessions/{id}`` or its ``X-Session-End`` turn): its
 pin goes (a new session under the id starts fresh, not on the old replica and version) and every
-router ends its own record. Returns 1 when Redis held the pin."""
+router ends its own record. Returns 1 when Redis held the pin, -1 (nothing done) past its deadline:
+an end Redis runs late (it was stalled; the caller gave up) could not tell the ended session from a
+new one another router started under the id meanwhile."""
 
 RELEASE_LOCK = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end

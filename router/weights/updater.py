@@ -221,7 +221,7 @@ class WeightUpdater:
         shared = self.life.shared
         if shared is not None:
             self._owner = f"{getattr(shared, 'router_id', 'router')}:{req.version}"
-            if not await shared.acquire_update_lock(self._owner, LOCK_TTL_S):
+            if not await self._acquire(shared):
                 self.active, self._owner = None, None
                 if not getattr(shared, "available", True):
                     raise NoReplica("shared state unreachable: no update can be coordinated across routers",
@@ -230,6 +230,19 @@ class WeightUpdater:
                 raise UpdateInProgress(f"another router's weight update holds the lock ({holder}); retry later")
         self._spawn(self._keeper(upd))
         return upd
+
+    async def _acquire(self, shared) -> bool:
+        """Take the update lock; a lock this router holds with no update of its own running (its
+        release was lost) is released and taken again."""
+        if await shared.acquire_update_lock(self._owner, LOCK_TTL_S):
+            return True
+        holder = await shared.update_lock_holder()
+        mine = f"{getattr(shared, 'router_id', 'router')}:"
+        if holder is None or not holder.startswith(mine):
+            return False
+        log.warning("update lock %s is this router's own from an update that has ended: taken back", holder)
+        await shared.release_update_lock(holder)
+        return await shared.acquire_update_lock(self._owner, LOCK_TTL_S)
 
     async def _refresh(self) -> None:
         shared = self.life.shared

@@ -97,3 +97,30 @@ async def test_a_delete_on_a_router_that_never_saw_the_session_still_ends_it_eve
         assert await _until(lambda: not _live(a, "t"))
         async with http.delete(url_b + "/v1/sessions/t") as r:
             assert (await r.json())["ended"] is False  # nothing left anywhere
+
+
+async def test_a_session_ended_while_redis_is_away_ends_on_that_router_only_and_never_later(tmp_path):
+    """An end sent once Redis is back could not tell the ended session from a new one another
+    router started under the id meanwhile (a fresh attacker saw the new session ended after its
+    first turn): an end made while Redis is unreachable stays local; the pin expires by its TTL."""
+    from tests.router.ha_redis import RedisProcess
+
+    redis = RedisProcess(tmp_path).start()
+    prefix = "down:"
+    shared = {"state": "redis", "redis_url": redis.url, "redis_prefix": prefix, "state_sync_interval_s": 0.1,
+              "redis_timeout_s": 0.1, "redis_breaker_reset_s": 0.2}
+    try:
+        async with fake_replica() as replica, edge_router(replica, **shared) as (url_a, a), \
+                edge_router(replica, **shared) as (url_b, b), aiohttp.ClientSession() as http:
+            assert await _complete(http, url_a, "s", list(range(100, 164))) == 200
+            assert await _until(lambda: _live(b, "s"))  # b adopted the pin (pub/sub)
+            redis.stop()
+            async with http.delete(url_a + "/v1/sessions/s") as r:
+                assert (await r.json())["ended"] is True  # on a
+            assert not _live(a, "s") and _live(b, "s")
+            assert await _complete(http, url_b, "s", list(range(500, 564))) == 200  # the id reused on b
+            redis.cont()
+            await asyncio.sleep(1.0)  # breakers close, sync rounds run: nothing ends it later
+            assert _live(b, "s")
+    finally:
+        redis.close()

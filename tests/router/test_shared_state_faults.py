@@ -257,3 +257,36 @@ async def test_a_publication_sent_again_never_overwrites_a_newer_one_of_another_
         assert (await a.state.redis.client.hget("f9:versions", "by")) == b.state.router_id
     finally:
         redis.close()
+
+
+async def test_an_update_lock_whose_release_got_no_answer_is_released_when_redis_is_back(tmp_path):
+    """A release lost in a Redis blink of under a second used to hold every router's next
+    update off for the lock's whole TTL (60 s of 409s): the sync round sends it again."""
+    redis = RedisProcess(tmp_path).start()
+    try:
+        a = Router(redis.url, "f10:", timeout_s=0.1)
+        a.state.redis.breaker.reset_s = 0.2
+        await a.state.start(a.app, a.core)
+        assert await a.state.acquire_update_lock("a:40", 60.0)
+        redis.stop()
+        await a.state.release_update_lock("a:40")  # no answer: kept
+        assert a.state.versions.unreleased == "a:40"
+        redis.cont()
+        await asyncio.sleep(0.3)
+        await _rounds(a, n=2)
+        assert await a.state.update_lock_holder() is None and a.state.versions.unreleased is None
+    finally:
+        redis.close()
+
+
+async def test_a_router_that_stalls_past_its_heartbeat_during_the_wait_is_reported_not_dropped(tmp_path):
+    redis = RedisProcess(tmp_path).start()
+    try:
+        a = Router(redis.url, "f11:")
+        await a.state.start(a.app, a.core)
+        await a.state.redis.client.zadd("f11:routers", {"frozen": time.time()})  # alive now, then silent
+        _update(a.core, R0, 1)
+        assert await a.state.publish_versions(a.core, {R0: False})
+        assert await a.state.await_marked(timeout_s=a.state.peers.ttl_s + 0.5) == ["frozen"]
+    finally:
+        redis.close()
