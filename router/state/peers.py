@@ -53,9 +53,11 @@ class PeerSync:
         self.others: list[str] = []
         self._read_at = float("-inf")
 
-    async def beat(self, app, core: DecisionCore, view: dict[str, Any], timeout_s: float) -> list[str]:
-        """Write heartbeat, view and share; read the others' shares into ``core``. Returns the
-        other live routers' ids. Raises StateUnavailable."""
+    async def beat(self, app, core: DecisionCore, view: dict[str, Any], timeout_s: float,
+                   marked: int | None = None) -> list[str]:
+        """Write heartbeat, view, share and (when given) the versions epoch this router confirmed
+        (``marked:<id>``, ``RedisState.await_marked``); read the others' shares into ``core``.
+        Returns the other live routers' ids. Raises StateUnavailable."""
         now = time.time()
         share = json.dumps({rid: load.as_list() for rid, load in core.own_loads().items()})
         ttl_ms = max(1, int(self.ttl_s * 1000))
@@ -65,6 +67,8 @@ class PeerSync:
             pipe.zadd(self.keys.routers, {self.router_id: now})
             pipe.set(self.keys.router(self.router_id), json.dumps(view), px=ttl_ms)
             pipe.set(self.keys.load(self.router_id), share, px=ttl_ms)
+            if marked is not None:
+                pipe.set(self.keys.marked(self.router_id), marked, px=ttl_ms)
             pipe.zremrangebyscore(self.keys.routers, "-inf", now - 60 * self.ttl_s)
             pipe.zrangebyscore(self.keys.routers, now - self.ttl_s, "+inf")
             return await pipe.execute()

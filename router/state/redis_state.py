@@ -204,8 +204,10 @@ class RedisState:
                                                     timeout_s=t, background=True)
             if await self._check_instance(instance):
                 self._republish_all = True  # until it succeeds, whatever fails in between
+            # the confirmed epoch rides along (its TTL is a router's), unless a marking is under way
+            marked = self._marked if self._marked >= 0 and not self._marking else None
             others = await self.peers.beat(self.app, core, view_of(self.app, self.router_id, self.versions.applied,
-                                                                   self.versions.confirmed), t)
+                                                                   self.versions.confirmed), t, marked)
             if self.versions.pending:  # a publication of ours got no answer: ours again (wire.PUBLISH_VERSIONS)
                 if await self.versions.publish(core, retry=True, timeout_s=t):
                     epoch = self.versions.applied
@@ -218,10 +220,6 @@ class RedisState:
             await self.registry.push(self.app, t)
             if self.versions.unreleased is not None:
                 await self.versions.release_lock(self.versions.unreleased, timeout_s=t)
-            if self._marked >= 0 and not self._marking:  # keep the confirmation alive (its TTL is a router's)
-                marked, ttl_ms = self._marked, max(1, int(self.peers.ttl_s * 1000))
-                await self.redis.call(lambda c: c.set(self.keys.marked(self.router_id), marked, px=ttl_ms),
-                                      timeout_s=t, background=True)
             if self._republish_all or self._reconcile or self.pins.dirty:
                 await self.pins.republish(core, everything=self._republish_all, timeout_s=4 * t)
                 self._reconcile = self._republish_all = False
