@@ -55,10 +55,20 @@ class Membership:
         drained = True
         if drain_timeout_s is not None:
             self.events.publish("draining", rid, endpoint, f"drain within {drain_timeout_s:g} s")
+            # The router places no new work there only once it has handled ``draining``: an idle
+            # check before that could pass between two requests and stop the replica while a
+            # request is being placed on it (it went out without the key: a 401 to the client).
+            await self._delivered(max(drain_timeout_s, 1.0))
             drained = await self._wait_idle(endpoint, drain_timeout_s, idle)
         await self._drop(index)
         self.events.publish("removed", rid, endpoint, "removed" if drained else "drain timed out; stopped")
         return drained
+
+    async def _delivered(self, timeout_s: float) -> None:
+        try:
+            await asyncio.wait_for(self.events.flush(), timeout_s)
+        except asyncio.TimeoutError:
+            logger.warning("replica events: a handler is still busy after %g s; draining on", timeout_s)
 
     async def _wait_idle(self, endpoint, timeout_s: float,
                          idle: Callable[[], Awaitable[bool]] | None) -> bool:

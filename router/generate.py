@@ -99,7 +99,7 @@ async def forward(client: web.Request, parsed: ParsedRequest, token_ids: list[in
             cached, job.generated_tokens = resp.result.cached_tokens(), resp.result.completion_tokens()
             resp = resp.sent
         elif isinstance(resp, UpstreamResult):
-            if resp.status >= 500:  # nothing reached the client yet
+            if resp.replica_failed():  # nothing reached the client yet
                 raise RetryElsewhere(f"replica {endpoint.replica_id} answered HTTP {resp.status}: "
                                      f"{resp.raw[:200].decode('utf-8', 'replace')}")
             cached = resp.cached_tokens()

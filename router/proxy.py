@@ -167,6 +167,13 @@ class UpstreamResult:
         return isinstance(choices, list) and any(isinstance(c, dict) and c.get("finish_reason") == "abort"
                                                  for c in choices)
 
+    def replica_failed(self) -> bool:
+        """The replica, not the request, is at fault: a 5xx, or a 401 (the router's own key was
+        refused: a replica restarted or removed under it, ``replicas.auth``; the client's headers
+        are never sent on). Such an answer is run elsewhere, never relayed: nothing reached the
+        client yet."""
+        return self.status >= 500 or self.status == 401
+
     def spliceable(self) -> bool:
         """Whether the body is one strict JSON object in valid UTF-8 without a ``rollout_router``
         member, however its key is spelled: bytes that can be passed on as they are with that

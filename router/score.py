@@ -90,7 +90,7 @@ async def _score_one(client: ReplicaClient, endpoint: ReplicaEndpoint, job: Job,
     if job.salt is not None:
         body["cache_salt"] = job.salt
     result = await post_json(client, endpoint.base_url + "/v1/completions", body)
-    if 400 <= result.status < 500:
+    if 400 <= result.status < 500 and not result.replica_failed():
         raise _replica_rejection(result)
     if result.status != 200 or not isinstance(result.payload, dict):
         raise RetryElsewhere(f"replica {endpoint.replica_id} failed a scoring request with HTTP {result.status}")

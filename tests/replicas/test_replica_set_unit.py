@@ -43,6 +43,32 @@ async def test_urls_are_wrapped_without_launching(fake_url):
     assert rs.endpoints == []
 
 
+async def test_a_drain_checks_idle_only_after_every_handler_saw_draining(fake_url):
+    """The router stops placing work on a draining replica only once it has handled the event;
+    an idle check before that (the router between two requests) stopped the replica while a
+    request was being placed there (CI: a 401 relayed, the key already forgotten)."""
+    import asyncio
+
+    async with ReplicaSet(ReplicaSetConfig(urls=(fake_url,), served_model_name="m")) as rs:
+        seen: list[str] = []
+
+        async def slow_router(event):  # a handler that takes a while, as a busy loop does
+            await asyncio.sleep(0.2)
+            seen.append(event.kind)
+
+        rs.subscribe(slow_router)
+        at_idle: list[list[str]] = []
+
+        async def idle() -> bool:
+            at_idle.append(list(seen))
+            return True
+
+        assert await rs.remove("replica-0", drain_timeout_s=5, idle=idle) is True
+        assert at_idle == [["draining"]]  # the first check came after the router knew
+        await rs.events.flush()
+        assert seen == ["draining", "removed"] and rs.endpoints == []
+
+
 async def test_an_unreachable_url_fails_start_by_name():
     url = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(RuntimeError) as err:  # named as the YAML config writes it

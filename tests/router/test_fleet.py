@@ -85,8 +85,11 @@ async def test_admin_replicas_without_a_fleet_is_a_clear_409():
         assert r.status == 401
 
 
-async def test_a_replica_answering_5xx_before_anything_reached_the_client_is_retried_elsewhere():
-    """Issue 12: a generation that had sent nothing to its client is retried on another replica."""
+@pytest.mark.parametrize("status, stream", [(500, False), (401, False), (401, True)])
+async def test_a_replica_answering_5xx_before_anything_reached_the_client_is_retried_elsewhere(status, stream):
+    """Issue 12: a generation that had sent nothing to its client is retried on another replica.
+    A 401 too: the replica refused the router's own key (one stopped under a request while a
+    drain was being set up, CI), which the client neither caused nor can mend."""
     from aiohttp import web
 
     from router.server import running_router
@@ -94,7 +97,7 @@ async def test_a_replica_answering_5xx_before_anything_reached_the_client_is_ret
     from tests.router.edge_fixtures import fake_replica
 
     async def broken(_: web.Request) -> web.Response:
-        return web.json_response({"error": {"message": "EngineDeadError", "code": 500}}, status=500)
+        return web.json_response({"error": {"message": "EngineDeadError", "code": status}}, status=status)
 
     bad = web.Application()
     bad.router.add_post("/v1/completions", broken)
@@ -108,8 +111,10 @@ async def test_a_replica_answering_5xx_before_anything_reached_the_client_is_ret
                 import aiohttp
 
                 async with aiohttp.ClientSession() as http:
-                    async with http.post(url + "/v1/completions", json={"prompt": [5] * 40, "max_tokens": 2}) as r:
+                    body = {"prompt": [5] * 40, "max_tokens": 2, "stream": stream}
+                    async with http.post(url + "/v1/completions", json=body) as r:
                         assert r.status == 200 and r.headers["X-Rollout-Replica"] == B
+                        await r.read()
                 assert app[keys.METRICS].retries.labels("failed")._value.get() == 1
                 assert len(good.bodies) == 1
                 assert app[keys.CORE].replicas[A].failures == 1 and app[keys.CORE].replicas[A].healthy
