@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -79,6 +81,7 @@ class VllmReplica:
         self._proc: subprocess.Popen | None = None
         self._base_url = ""
         self._log_offset = 0
+        self._rpc_dir: str | None = None  # vLLM's ZMQ socket files of the running server
 
     async def start(self) -> ReplicaInfo:
         """Launch the server and wait until ``/health`` answers; raise ``RuntimeError`` if not."""
@@ -126,7 +129,13 @@ class VllmReplica:
                 _signal_group(proc.pid, signal.SIGKILL)
                 await _wait_exit(proc, STOP_GRACE_S)
         _signal_group(proc.pid, signal.SIGKILL)  # stragglers left in the group
+        self._remove_rpc_dir()
         return proc.returncode
+
+    def _remove_rpc_dir(self) -> None:
+        rpc_dir, self._rpc_dir = self._rpc_dir, None
+        if rpc_dir is not None:
+            shutil.rmtree(rpc_dir, ignore_errors=True)
 
     def _bind_host(self) -> str:
         host = self._cfg.host
@@ -145,9 +154,11 @@ class VllmReplica:
             log.write(f"\n===== start {time.strftime('%Y-%m-%d %H:%M:%S')} port {port}: {' '.join(cmd)}\n")
             log.flush()
             self._log_offset = log.tell()
+            self._remove_rpc_dir()
+            self._rpc_dir = tempfile.mkdtemp(prefix=f"rollout-router-rpc{self._index}-")
             self._proc = subprocess.Popen(
                 [sys.executable, "-c", _DIE_WITH_PARENT, *cmd],
-                env=build_env(self._cfg, self._index, api_key=self._api_key),
+                env=build_env(self._cfg, self._index, api_key=self._api_key, rpc_dir=self._rpc_dir),
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True,
             )

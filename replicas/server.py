@@ -88,12 +88,16 @@ FRONTEND_CPUS_ENV = "ROLLOUT_ROUTER_FRONTEND_CPUS"
 
 
 def build_env(cfg: ReplicaSetConfig, index: int, base: dict[str, str] | None = None,
-              api_key: str | None = None) -> dict[str, str]:
+              api_key: str | None = None, rpc_dir: str | None = None) -> dict[str, str]:
     """Environment for replica ``index``: ``base`` (default ``os.environ``) plus our knobs.
 
     Every Python process of the replica (API server, engine core, workers) starts with
     ``replicas/launcher`` on ``PYTHONPATH``, whose ``sitecustomize`` makes it die with its
     parent (``PR_SET_PDEATHSIG``). ``api_key`` goes to ``KEY_ENV`` for the auth middleware.
+    ``rpc_dir``: where vLLM puts its ZMQ ``ipc://`` socket files (``VLLM_RPC_BASE_PATH``,
+    ``vllm/utils/network_utils.py`` ``get_open_zmq_ipc_path``; else the temp dir, where a
+    killed engine leaves them: a few per start, thousands over a week of restarts), so whoever
+    stops the replica can remove them all with the folder. ``cfg.extra_env`` still wins.
     """
     env = dict(os.environ if base is None else base)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(LAUNCHER_DIR), env.get("PYTHONPATH", "")]))
@@ -103,6 +107,8 @@ def build_env(cfg: ReplicaSetConfig, index: int, base: dict[str, str] | None = N
         env[KEY_ENV] = api_key
     env["VLLM_SERVER_DEV_MODE"] = "1"  # /reset_prefix_cache, /collective_rpc, /pause, /resume
     env["PYTHONUNBUFFERED"] = "1"
+    if rpc_dir is not None:
+        env["VLLM_RPC_BASE_PATH"] = rpc_dir
     if cfg.engine == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = _gib_str(cfg.kv_cache_space_gib)
         env["VLLM_CPU_OMP_THREADS_BIND"] = omp_threads_bind(cfg, index)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import stat
 import time
 
 import aiohttp
@@ -78,6 +79,11 @@ async def _gone(pgid: int, timeout_s: float) -> list[int]:
     return group_members(pgid)
 
 
+def _environ(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        return dict(item.decode().partition("=")[::2] for item in f.read().split(b"\0") if item)
+
+
 async def test_only_the_key_holder_can_drive_a_replica(watched):
     ep = watched.rs.endpoints[0]
     assert ep.base_url.startswith("http://127.0.0.1:") and ep.api_key and ep.api_key not in repr(ep)
@@ -104,9 +110,12 @@ async def test_sigkilled_api_server_leaves_nothing_and_comes_back_at_a_new_url(w
     old = rs.endpoints[0]
     pgid = (await rs.info(old.replica_id)).pid
     assert len(group_members(pgid)) >= 3  # API server, engine core, worker (and a resource tracker)
+    rpc_dir = _environ(pgid)["VLLM_RPC_BASE_PATH"]  # vLLM's ZMQ ipc:// socket files live there
+    assert any(stat.S_ISSOCK(os.stat(os.path.join(rpc_dir, f)).st_mode) for f in os.listdir(rpc_dir))
     os.kill(pgid, signal.SIGKILL)
     assert await _gone(pgid, GONE_WITHIN_S) == []
     events = await watched.next("restarted")
+    assert not os.path.exists(rpc_dir)  # a killed engine leaves none of them behind
     # a health check may fail before the supervisor sees the process gone (a loaded machine)
     assert [e.kind for e in events if e.kind != "unhealthy"] == ["restarting", "restarted"], events
     assert events[0].kind in ("unhealthy", "restarting")

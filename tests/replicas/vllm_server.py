@@ -9,8 +9,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -48,8 +50,10 @@ class VllmServer:
         self.port = free_port(cfg.host)
         self.base = f"http://{cfg.host}:{self.port}"
         self.log_path = log_dir / f"{name}.log"
+        self.rpc_dir = tempfile.mkdtemp(prefix=f"rollout-router-rpc-{name}-")
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(build_command(cfg, str(model), self.port), env=build_env(cfg, index),
+            self.proc = subprocess.Popen(build_command(cfg, str(model), self.port),
+                                         env=build_env(cfg, index, rpc_dir=self.rpc_dir),
                                          stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def wait_healthy(self, timeout_s: float) -> None:
@@ -83,6 +87,7 @@ class VllmServer:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+        shutil.rmtree(self.rpc_dir, ignore_errors=True)
 
     # -- HTTP ------------------------------------------------------------------------------
     def post(self, path: str, body: dict, timeout_s: float = 300) -> HttpResult:
