@@ -49,8 +49,8 @@ class MemoryState:
         self._lock = (owner, time.monotonic() + ttl_s)
         return True
 
-    async def release_update_lock(self, owner: str) -> None:
-        """Release the lock if ``owner`` holds it."""
+    async def release_update_lock(self, owner: str, now: bool = False) -> None:
+        """Release the lock if ``owner`` holds it (at once: no publication to wait for)."""
         if self._holder() == owner:
             self._lock = None
 

@@ -85,16 +85,19 @@ class RedisState:
     # -- the weight updater's API (/work/helpers/STATE-API.md) -------------------------------------
 
     async def acquire_update_lock(self, owner: str, ttl_s: float) -> bool:
-        """One update across all routers: see ``VersionSync.acquire_lock``."""
-        return await self.versions.acquire_lock(owner, ttl_s)
+        """One update across all routers, begun from the newest snapshot: ``VersionSync.acquire_lock``."""
+        from router import keys
+
+        return await self.versions.acquire_lock(owner, ttl_s, self.app[keys.CORE] if self.app is not None else None)
 
     async def refresh_update_lock(self, owner: str, ttl_s: float) -> bool:
         """Extend ``owner``'s lock by ``ttl_s``; False if it lost it or Redis is unreachable."""
         return await self.versions.refresh_lock(owner, ttl_s)
 
-    async def release_update_lock(self, owner: str) -> None:
-        """Release the lock if ``owner`` holds it; never raises (it expires anyway)."""
-        await self.versions.release_lock(owner)
+    async def release_update_lock(self, owner: str, now: bool = False) -> None:
+        """Release the lock if ``owner`` holds it, once this router's last publication landed
+        unless ``now`` (``VersionSync.release_lock``); never raises (it expires anyway)."""
+        await self.versions.release_lock(owner, now=now)
 
     async def update_lock_holder(self) -> str | None:
         """Who holds the update lock (None: free, or Redis unreachable)."""
@@ -218,7 +221,7 @@ class RedisState:
             if await self.registry.pull(self.app, t):
                 self.versions.reapply(core)
             await self.registry.push(self.app, t)
-            if self.versions.unreleased is not None:
+            if self.versions.unreleased is not None and not self.versions.pending:
                 await self.versions.release_lock(self.versions.unreleased, timeout_s=t)
             if self._republish_all or self._reconcile or self.pins.dirty:
                 await self.pins.republish(core, everything=self._republish_all, timeout_s=4 * t)

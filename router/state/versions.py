@@ -157,12 +157,23 @@ class VersionSync:
 
     # -- the weight-update lock ------------------------------------------------------------------
 
-    async def acquire_lock(self, owner: str, ttl_s: float) -> bool:
-        """SET NX PX: True when ``owner`` holds the lock now. False if held by another or Redis is down."""
+    async def acquire_lock(self, owner: str, ttl_s: float, core: DecisionCore | None = None) -> bool:
+        """SET NX PX: True when ``owner`` holds the lock now. False if held by another or Redis is down.
+
+        With ``core``: once the lock is held the newest snapshot is read and applied (:meth:`fetch`),
+        so the update begins from where the last one ended; this router's sync round may not have
+        read that yet, and its first publication, from the older view, would put the last update's
+        replicas back to "updating" with nothing left to clear it. The lock goes back when the
+        read fails."""
         try:
-            return bool(await self.redis.call(lambda c: c.set(self.keys.lock_update, owner, nx=True,
-                                                               px=max(1, int(ttl_s * 1000)))))
+            if not await self.redis.call(lambda c: c.set(self.keys.lock_update, owner, nx=True,
+                                                          px=max(1, int(ttl_s * 1000)))):
+                return False
+            if core is not None:
+                await self.fetch(core)
+            return True
         except StateUnavailable:
+            await self.release_lock(owner, now=True)
             return False
 
     async def refresh_lock(self, owner: str, ttl_s: float) -> bool:
@@ -173,10 +184,21 @@ class VersionSync:
         except StateUnavailable:
             return False
 
-    async def release_lock(self, owner: str, *, timeout_s: float | None = None) -> None:
+    async def release_lock(self, owner: str, *, timeout_s: float | None = None, now: bool = False) -> None:
         """Delete the lock if ``owner`` holds it. Never raises: when Redis cannot be reached the
         release is kept (:attr:`unreleased`) and the sync round sends it again, or every router's
-        next update would wait out the lock's TTL (60 s after a blink of under a second)."""
+        next update would wait out the lock's TTL (60 s after a blink of under a second).
+
+        While a publication of this router is :attr:`pending` (an update's last snapshot without
+        an answer) the release waits for it, unless ``now``: the lock keeps any other router from
+        beginning an update, and publishing, from a snapshot without this one's last (its replicas
+        left "updating" for good, every request refused there). The sync round sends the
+        publication first, then the release."""
+        if self.pending and not now:
+            if self.unreleased != owner:
+                log.warning("update lock of %s kept until this router's last snapshot is published", owner)
+            self.unreleased = owner
+            return
         try:
             await self.redis.call(lambda c: c.eval(RELEASE_LOCK, 1, self.keys.lock_update, owner),
                                   timeout_s=timeout_s, background=timeout_s is not None)

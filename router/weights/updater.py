@@ -241,7 +241,7 @@ class WeightUpdater:
         if holder is None or not holder.startswith(mine):
             return False
         log.warning("update lock %s is this router's own from an update that has ended: taken back", holder)
-        await shared.release_update_lock(holder)
+        await shared.release_update_lock(holder, now=True)  # what it waited for, this update publishes anew
         return await shared.acquire_update_lock(self._owner, LOCK_TTL_S)
 
     async def _refresh(self) -> None:

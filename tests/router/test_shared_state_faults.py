@@ -279,6 +279,46 @@ async def test_an_update_lock_whose_release_got_no_answer_is_released_when_redis
         redis.close()
 
 
+async def test_the_next_update_begins_from_where_the_last_one_ended_even_when_its_end_was_published_late(tmp_path):
+    """An update's last snapshot got no answer (Redis SIGSTOPped): its router used to release the
+    lock all the same, and another router could begin an update within the next sync round and
+    publish from its older view, the last update's replica "updating" in it (out of rotation on
+    every router, with no update left to clear it). The lock now waits for that publication, and
+    the router taking it reads the newest snapshot before anything else."""
+    redis = RedisProcess(tmp_path).start()
+    try:
+        a, b = Router(redis.url, "f12:", timeout_s=0.1), Router(redis.url, "f12:")
+        a.state.redis.breaker.reset_s = 0.2
+        await a.state.start(a.app, a.core)
+        await b.state.start(b.app, b.core)
+        assert await a.state.acquire_update_lock("a:41", 60.0)
+        a.core.set_rotation(R1, "updating")  # the update's hold, read by b
+        assert await a.state.publish_versions(a.core)
+        await _rounds(b, n=1)
+        assert b.core.versions.rotation == {R1: "updating"}
+        redis.stop()
+        a.core.version_loaded(R1, 7)
+        a.core.set_rotation(R1, None)
+        a.core.finish_update(7, "keep+salt")
+        assert not await a.state.publish_versions(a.core)  # the end: no answer
+        redis.cont()
+        await asyncio.sleep(0.3)
+        await a.state.release_update_lock("a:41")  # Redis answers again, but a's end is not in it
+        assert not await b.state.acquire_update_lock("b:42", 60.0)
+        assert await a.state.update_lock_holder() == "a:41"
+        await _rounds(a, n=1)  # the publication first, then the release
+        assert await a.state.update_lock_holder() is None and not a.state.versions.pending
+        assert b.core.versions.rotation == {R1: "updating"}  # b has not read a's end in a round
+        assert await b.state.acquire_update_lock("b:42", 60.0)
+        assert not b.core.versions.rotation and b.core.versions.loaded[R1] == 7  # read on taking it
+        assert await b.state.publish_versions(b.core)
+        await _rounds(a, b, n=1)
+        for r in (a, b):
+            assert not r.core.versions.rotation and r.core.versions.loaded[R1] == 7
+    finally:
+        redis.close()
+
+
 async def test_a_router_that_stalls_past_its_heartbeat_during_the_wait_is_reported_not_dropped(tmp_path):
     redis = RedisProcess(tmp_path).start()
     try:
