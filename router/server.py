@@ -122,6 +122,10 @@ async def running_router(cfg: AppConfig, endpoints: Sequence[ReplicaEndpoint],
         raise
     port = sockets[0].getsockname()[1]
     host = r.host if ":" not in r.host else f"[{r.host}]"
+    shared = app[keys.LIFECYCLE].shared if keys.LIFECYCLE in app else None
+    if shared is not None:  # what the other routers show and name (a commit sent to the wrong one)
+        reachable = socket.gethostname() if r.host in ("0.0.0.0", "::", "") else host
+        shared.address = f"http://{reachable}:{port}"
     try:
         yield f"http://{host}:{port}", app
     finally:

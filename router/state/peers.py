@@ -29,13 +29,13 @@ def new_router_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{os.urandom(3).hex()}"
 
 
-def view_of(app, router_id: str, epoch: int, confirmed: bool) -> dict[str, Any]:
-    """What ``rollout-router status`` shows for one router."""
+def view_of(app, router_id: str, epoch: int, confirmed: bool, address: str | None = None) -> dict[str, Any]:
+    """What ``rollout-router status`` shows for one router; ``address``: where it serves."""
     from router import keys
 
     core, pool = app[keys.CORE], app[keys.POOL]
     return {
-        "router": router_id, "pid": os.getpid(), "time": time.time(), "epoch": epoch, "versions_confirmed": confirmed,
+        "router": router_id, "address": address, "pid": os.getpid(), "time": time.time(), "epoch": epoch, "versions_confirmed": confirmed,
         "current_version": core.versions.current, "policy": core.versions.policy,
         "replicas": {s.endpoint.replica_id: {
             "url": s.endpoint.base_url, "version": core.versions.loaded.get(s.endpoint.replica_id),

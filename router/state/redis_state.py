@@ -12,6 +12,7 @@ router then decides from its own core alone. See README "Several routers, one st
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 
@@ -38,6 +39,8 @@ class RedisState:
                  breaker_failures: int = 3, breaker_reset_s: float = 1.0, pin_ttl_s: int = 3600,
                  sync_interval_s: float = 0.25, router_id: str | None = None) -> None:
         self.router_id = router_id or new_router_id()
+        self.address: str | None = None
+        """Where this router serves (``http://host:port``, set once bound), in its view for the others."""
         self.keys = Keys(prefix)
         self.sync_interval_s = sync_interval_s
         self.redis = GuardedRedis(url, timeout_s=timeout_s, failures=breaker_failures, reset_s=breaker_reset_s,
@@ -102,6 +105,16 @@ class RedisState:
     async def update_lock_holder(self) -> str | None:
         """Who holds the update lock (None: free, or Redis unreachable)."""
         return await self.versions.lock_holder()
+
+    async def address_of(self, router_id: str) -> str | None:
+        """Where router ``router_id`` serves, from its last heartbeat's view (None: unknown, gone,
+        or Redis unreachable)."""
+        try:
+            raw = await self.redis.call(lambda c: c.get(self.keys.router(router_id)))
+            address = json.loads(raw).get("address") if raw else None
+        except (StateUnavailable, ValueError, AttributeError):
+            return None
+        return address if isinstance(address, str) else None
 
     async def publish_versions(self, core: DecisionCore, recomputed: dict | None = None) -> bool:
         """Publish ``core``'s versions, policy and update rotation; False if Redis is unreachable.
@@ -210,7 +223,7 @@ class RedisState:
             # the confirmed epoch rides along (its TTL is a router's), unless a marking is under way
             marked = self._marked if self._marked >= 0 and not self._marking else None
             others = await self.peers.beat(self.app, core, view_of(self.app, self.router_id, self.versions.applied,
-                                                                   self.versions.confirmed), t, marked)
+                                                                   self.versions.confirmed, self.address), t, marked)
             if self.versions.pending:  # a publication of ours got no answer: ours again (wire.PUBLISH_VERSIONS)
                 if await self.versions.publish(core, retry=True, timeout_s=t):
                     epoch = self.versions.applied

@@ -274,8 +274,11 @@ class WeightUpdater:
         shared = self.life.shared
         holder = await shared.update_lock_holder() if shared is not None else None
         if holder is not None and holder.endswith(f":{version}"):
-            raise UpdateInProgress(f"the update of version {version} was begun on router {holder.rsplit(':', 1)[0]}: "
-                                   f"{what} it there (a router runs the updates it began)")
+            began = holder.rsplit(":", 1)[0]
+            address = await shared.address_of(began) if hasattr(shared, "address_of") else None
+            raise UpdateInProgress(f"the update of version {version} was begun on router {began}"
+                                   f"{f' at {address}' if address else ''}: {what} it there "
+                                   f"(a router runs the updates it began)")
         raise UpdateInProgress(f"no two-phase update of version {version} to {what}; POST /admin/weights/begin first")
 
     def _targets(self, req: UpdateRequest) -> list[ReplicaId]:

@@ -77,13 +77,14 @@ async def test_a_commit_sent_to_another_router_names_the_router_that_began_the_u
     409 that names that router (it said only "POST begin first", which the trainer had done)."""
     shared = {"state": "redis", "redis_url": redis_url, "redis_prefix": f"sp{next(_prefixes)}:",
               "state_sync_interval_s": 0.1, "admin_token": "tok"}
-    async with fake_replica() as replica, edge_router(replica, **shared) as (_, a), \
+    async with fake_replica() as replica, edge_router(replica, **shared) as (url_a, a), \
             edge_router(replica, **shared) as (url_b, b):
         state_a = a[keys.LIFECYCLE].shared
         assert await state_a.acquire_update_lock(f"{state_a.router_id}:41", 30.0)  # as a's begin takes it
+        await state_a.sync_round()  # its heartbeat carries its address
         async with aiohttp.ClientSession() as http:
             async with http.post(url_b + "/admin/weights/commit", json={"version": 41},
                                  headers={"Authorization": "Bearer tok"}) as r:
                 assert r.status == 409
                 message = (await r.json())["error"]["message"]
-        assert state_a.router_id in message and "began" in message
+        assert state_a.router_id in message and "began" in message and f"at {url_a}:" in message
