@@ -260,6 +260,7 @@ def bounds(cfg: SoakConfig) -> dict[str, tuple[int | None, str]]:
         "index_blocks": (p.max_index_blocks, "policy.max_index_blocks"),
         "touched_stamps": (TOUCHED_KEPT * n, "TOUCHED_KEPT per replica"),
         "free_stamps": (2 * (2 * cfg.num_gpu_blocks + 1) * n, "two generations of 2x a replica's blocks"),
+        "low_points": ((2 * cfg.num_gpu_blocks + 1) * n, "one capacity window of distinct bounds per replica"),
         "version_log": (2 * LOG_KEPT * n, "2 * LOG_KEPT per replica"),
         "replicas": (n, "--replicas"), "views": (n, "--replicas"),
         **{name: (None, "0 once nothing is in flight") for name in PER_REQUEST},

@@ -763,7 +763,7 @@ class DecisionCore:
         must keep bounded (``bench.soak``; the ``rollout_router_state_entries`` gauge). Per request,
         back to 0 once nothing is in flight: ``jobs_queued``, ``queued``, ``tickets``,
         ``running_groups``, ``held_blocks``, ``unheld``; bounded by the config: ``keys`` (``max_pins``),
-        ``index_blocks`` (``max_index_blocks``), ``touched_stamps``, ``free_stamps`` and
+        ``index_blocks`` (``max_index_blocks``), ``touched_stamps``, ``free_stamps``, ``low_points`` and
         ``version_log`` (per replica); one per version loaded: ``history`` and ``cached_versions``
         (the version contract lists them, ``cache_policy.versions``); the rest follow the replicas."""
         self._settle_holds()

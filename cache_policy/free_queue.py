@@ -86,9 +86,10 @@ class FreeQueueModel:
     def sizes(self) -> dict[str, int]:
         """Entries held over all replicas: ``held_blocks`` (prompt blocks of requests in flight)
         and ``free_stamps`` (release stamps of free blocks: two generations, each cut at twice
-        the replica's capacity, ``_trim``)."""
+        the replica's capacity, ``_trim``) and ``low_points`` (past low points, :meth:`note`)."""
         return {"held_blocks": sum(len(q.refs) for q in self._replicas.values()),
-                "free_stamps": sum(len(q.stamps) + len(q.old) for q in self._replicas.values())}
+                "free_stamps": sum(len(q.stamps) + len(q.old) for q in self._replicas.values()),
+                "low_points": sum(len(q.low_freed) for q in self._replicas.values())}
 
     def hold(self, rid: ReplicaId, hashes: Sequence[BlockHash]) -> list[int]:
         """A request with prompt blocks ``hashes`` was dispatched to ``rid``: they leave the free
