@@ -80,6 +80,8 @@ class KvLedger:
         self.changed: set[ReplicaId] = set()
         """Replicas whose request count changed since the core last rebuilt their views
         (``DecisionCore._views_of``); the core empties it."""
+        self._gone: set[ReplicaId] = set()
+        """Replicas that left with tickets still out: their entries go with the last one."""
 
     def sizes(self) -> dict[str, int]:
         """Entries held: ``tickets`` (requests admitted and not released) and ``running_groups``
@@ -88,6 +90,7 @@ class KvLedger:
 
     def admit(self, ticket: Ticket) -> None:
         """Count ``ticket`` against its replica."""
+        self._gone.discard(ticket.replica_id)  # (a replica that left and came back under its name)
         self._in_flight.setdefault(ticket.replica_id, {})[ticket.number] = ticket
         self._requests[ticket.replica_id] = self._requests.get(ticket.replica_id, 0) + ticket.requests
         self.changed.add(ticket.replica_id)
@@ -112,6 +115,8 @@ class KvLedger:
             self._groups[key] -= 1
             if not self._groups[key]:
                 del self._groups[key]
+        if ticket.replica_id in self._gone and not held:
+            self._drop(ticket.replica_id)
 
     def group_running(self, group_id: str | None, rid: ReplicaId) -> bool:
         """Whether a request of GRPO group ``group_id`` is in flight on ``rid``."""
@@ -160,10 +165,21 @@ class KvLedger:
         return self.peers.get(rid, NO_PEER)
 
     def forget_replica(self, rid: ReplicaId) -> None:
-        """``rid`` left: its tickets are released by their requests, its scrape time goes."""
-        self.scraped(rid, None)
+        """``rid`` left: its tickets are released by their requests; its entries (counts, scrape
+        time, peers' share) go now, or with its last ticket (a fleet changing for days must not
+        keep an entry per replica it ever had)."""
         self.peers.pop(rid, None)
         self.changed.add(rid)
+        if self._in_flight.get(rid):
+            self.scraped(rid, None)
+            self._gone.add(rid)
+        else:
+            self._drop(rid)
+
+    def _drop(self, rid: ReplicaId) -> None:
+        self._gone.discard(rid)
+        for entries in (self._in_flight, self._requests, self._blocks, self._unseen, self.scraped_at):
+            entries.pop(rid, None)
 
     def check_integrity(self) -> None:
         """Raise ``RuntimeError('bug: ...')`` if the request counts disagree with the tickets."""

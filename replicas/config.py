@@ -101,7 +101,9 @@ class ReplicaSetConfig:
         return value
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "urls", tuple(u.rstrip("/") for u in self.urls))
+        object.__setattr__(self, "urls", tuple(_canonical(i, u) for i, u in enumerate(self.urls)))
+        twins = sorted({u for u in self.urls if self.urls.count(u) > 1})
+        _check(not twins, "urls", f"name one server more than once: {twins} (one engine would count as several replicas)")
         object.__setattr__(self, "extra_args", tuple(self.extra_args))
         object.__setattr__(self, "extra_env", dict(self.extra_env))
         _check(self.engine in ENGINES, "engine", f"must be one of {ENGINES}, got {self.engine!r}")
@@ -125,8 +127,6 @@ class ReplicaSetConfig:
             parse_cpu_list(self.frontend_cpus)
         except ValueError as e:
             raise ValueError(f"ReplicaSetConfig.frontend_cpus {e}") from None
-        _check(all(u.startswith(("http://", "https://")) for u in self.urls), "urls",
-               "each must start with http:// or https://")
 
     @property
     def replica_count(self) -> int:
@@ -163,3 +163,13 @@ def parse_cpu_list(spec: str) -> list[int]:
 def _check(ok: bool, name: str, msg: str) -> None:
     if not ok:
         raise ValueError(f"ReplicaSetConfig.{name} {msg}")
+
+
+def _canonical(index: int, url: object) -> str:
+    """``urls[index]`` in canonical form (``replicas.addresses.canonical_url``); ValueError naming it."""
+    from replicas.addresses import canonical_url
+
+    try:
+        return canonical_url(url if isinstance(url, str) else "")
+    except ValueError as exc:
+        raise ValueError(f"ReplicaSetConfig.urls[{index}] {url!r} {exc}") from None

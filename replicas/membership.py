@@ -19,17 +19,37 @@ DRAIN_POLL_S = 0.5
 logger = logging.getLogger(__name__)
 
 
+async def poll_until(check: Callable[[], Awaitable[bool]], timeout_s: float, what: str) -> bool:
+    """Ask ``check()`` every ``DRAIN_POLL_S`` seconds, at least once (a drain of 0 s of an idle
+    replica is a drained one), until it says True (then True) or ``timeout_s`` seconds passed
+    (False). A ``check`` that raises counts as False (an unreadable replica is not idle)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if await check():
+                return True
+        except Exception as exc:  # noqa: BLE001 - an unreadable replica is not idle; keep waiting
+            logger.debug("%s: check failed: %r", what, exc)
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(min(DRAIN_POLL_S, max(0.0, deadline - time.monotonic())))
+
+
 class Membership:
     """``add`` / ``remove`` for ReplicaSet (see there for the attributes used)."""
 
-    async def add(self, url: str | None = None):
-        """Start one more replica from ``cfg`` (or wrap the server at ``url``) under a new
-        index, wait until it is ready, publish ``added`` and return its endpoint."""
+    async def add(self, url: str | None = None, *, model: str | None = None):
+        """Start one more replica from ``cfg`` (or wrap the server at ``url``, canonical: see
+        ``replicas.addresses``) under a new index, wait until it is ready, publish ``added`` and
+        return its endpoint. ``model``: the model the fleet serves; a server at ``url`` serving
+        another is refused. StartupError when the server cannot be used; the new index comes from
+        ``claim_index`` when set (shared state: unique across routers), taken only once the
+        server at ``url`` answered as a replica (a refused one uses none up)."""
         self._require_started()
-        index = self._take_index()
         if url is not None:
-            endpoint = await self._wrap(index, url.rstrip("/"), "the url")
+            endpoint = await self._wrap(None, url.rstrip("/"), "the url", model=model)
         else:
+            index = await self._new_index()
             if not self._model_path:
                 from replicas.server import resolve_model
 
@@ -39,9 +59,24 @@ class Membership:
         self.events.publish("added", endpoint.replica_id, endpoint)
         return endpoint
 
+    async def _new_index(self) -> int:
+        """The next free index: this set's own next one, or, with ``claim_index``, one no other
+        router sharing state has used (at least this set's own next one)."""
+        if self.claim_index is None:
+            return self._take_index()
+        return self._take_index(await self.claim_index(self._next_index))
+
+    def owns(self, rid: ReplicaId) -> bool:
+        """Whether replica ``rid`` is one of this set's (started or wrapped here, not removed)."""
+        try:
+            return replica_index(rid) in self._endpoints
+        except KeyError:
+            return False
+
     async def remove(self, rid: ReplicaId, *, drain_timeout_s: float | None = None,
                      idle: Callable[[], Awaitable[bool]] | None = None) -> bool:
-        """Take replica ``rid`` out for good and publish ``removed``; ``KeyError`` if unknown.
+        """Take replica ``rid`` out for good and publish ``removed``; ``KeyError`` if unknown or
+        being removed already.
 
         ``drain_timeout_s`` None: stop it at once. Else publish ``draining`` first and wait, at
         most that many seconds, until it is idle: ``idle()`` if given (the router's own view, e.g.
@@ -50,6 +85,8 @@ class Membership:
         """
         index = replica_index(rid)
         endpoint = self._endpoints[index]
+        if index in self._leaving:
+            raise KeyError(f"replica {rid} is being removed already")
         self._leaving.add(index)
         self._supervisor.forget(index)
         drained = True
@@ -72,15 +109,8 @@ class Membership:
 
     async def _wait_idle(self, endpoint, timeout_s: float,
                          idle: Callable[[], Awaitable[bool]] | None) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            try:
-                if await idle() if idle is not None else await self._replica_idle(endpoint):
-                    return True
-            except Exception as exc:  # noqa: BLE001 - an unreadable replica is not idle; keep waiting
-                logger.debug("drain of %s: idle check failed: %r", endpoint.replica_id, exc)
-            await asyncio.sleep(DRAIN_POLL_S)
-        return False
+        return await poll_until(idle or (lambda: self._replica_idle(endpoint)), timeout_s,
+                                f"drain of {endpoint.replica_id}")
 
     async def _replica_idle(self, endpoint) -> bool:
         m = await ops.fetch_metrics(self._session, endpoint.base_url)

@@ -42,9 +42,10 @@ async def reset_prefix_cache(
 
 
 async def is_healthy(session: aiohttp.ClientSession, base_url: str) -> bool:
-    """True iff ``GET /health`` answers 200; connection errors and timeouts read as False."""
+    """True iff ``GET /health`` answers 200; connection errors, timeouts and a URL aiohttp
+    cannot use (``ValueError``, e.g. a host name IDNA refuses) read as False."""
     try:
         async with session.get(f"{base_url}/health") as resp:
             return resp.status == 200
-    except (aiohttp.ClientError, asyncio.TimeoutError):
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
         return False

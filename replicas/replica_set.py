@@ -22,7 +22,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Awaitable, Callable
 
 import aiohttp
 
@@ -80,6 +80,10 @@ class ReplicaSet(Membership):
         self.events = EventBus()
         self._supervisor = Supervisor(self, supervision or SupervisionConfig(), self.events)
         self._next_index = 0
+        self.claim_index: Callable[[int], Awaitable[int]] | None = None
+        """Where ``add`` takes a new index when several routers share state: given this set's own
+        next index, one at least that large that no router has used (``router.state``); None:
+        this set's own counter."""
         self._leaving: set[int] = set()
         self._endpoints: dict[int, ReplicaEndpoint] = {}
         self._actors: dict[int, object] = {}
@@ -213,10 +217,12 @@ class ReplicaSet(Membership):
         for index, url in enumerate(self.cfg.urls):
             await self._wrap(self._take_index(index), url, f"replicas.urls[{index}]")
 
-    async def _wrap(self, index: int, url: str, what: str) -> ReplicaEndpoint:
+    async def _wrap(self, index: int | None, url: str, what: str, model: str | None = None) -> ReplicaEndpoint:
         """Use the running server at ``url`` as replica ``index``: its block size and KV size from
-        ``/metrics``, its model from ``/v1/models``. StartupError when it does not answer or its
-        block size differs from the other replicas' (one prefix hash needs one block size)."""
+        ``/metrics``, its model from ``/v1/models``. StartupError when it does not answer as a vLLM
+        server, its block size differs from the other replicas' (one prefix hash needs one block
+        size), or ``model`` is given and it serves another. ``index`` None: a new one
+        (``Membership._new_index``), taken once the server answered."""
         if not await ops.is_healthy(self._session, url):
             raise StartupError(f"{what} {url} does not answer GET /health")
         try:
@@ -228,9 +234,17 @@ class ReplicaSet(Membership):
             raise StartupError(f"{what} {url} answers GET /metrics with HTTP {exc.status}{hint}") from None
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             raise StartupError(f"{what} {url}: GET /metrics failed ({exc!r})") from None
+        except ValueError as exc:  # answered 200, but not with Prometheus text: not a vLLM server
+            raise StartupError(f"{what} {url}: GET /metrics is not vLLM's Prometheus text ({exc})") from None
         others = [e for i, e in self._endpoints.items() if i != index]
         block_size = agreed_block_size(f"{what} {url}", m.block_size, self.cfg.block_size, others)
         served = await fetch_served_model(self._session, url)
+        name = served.name if served else self.cfg.served_model_name
+        if model is not None and name != model:
+            raise StartupError(f"{what} {url} serves model {name!r} but the fleet serves {model!r}: every replica "
+                               "behind one router must answer to the same model")
+        if index is None:
+            index = await self._new_index()
         self._endpoints[index] = await self._endpoint(index, url, block_size, m.num_gpu_blocks, served=served)
         return self._endpoints[index]
 

@@ -58,6 +58,7 @@ def create_app(cfg: AppConfig, endpoints: Sequence[ReplicaEndpoint], tokenizer: 
     app[keys.METRICS] = metrics
     app[keys.TOKENIZER] = tokenizer
     app[keys.CORE] = make_core(cfg, endpoints)
+    metrics.replicas = app[keys.CORE].replicas
     app.cleanup_ctx.extend([_http_session, _scraper, kv_events_ctx, state_sync_ctx])
     app.router.add_post(FAST_PATH, handlers.completions)
     app[keys.FAST_HANDLER] = handlers.completions  # the same handler, when router.fastlane serves it
@@ -126,12 +127,18 @@ async def _scraper(app: web.Application) -> AsyncIterator[None]:
 async def _scrape_loop(app: web.Application, interval_s: float, rounds: ScrapeRounds) -> None:
     """Scrape every replica each ``interval_s`` seconds; each round wakes the admission queue.
     Survives anything one replica or one round throws (logged once per cause); a replica that
-    hangs holds up no round (``ScrapeRounds``)."""
+    hangs holds up no round (``ScrapeRounds``). A replica a round took out of rotation because
+    its scrapes got no answer in time (hung, not one answering errors) has its requests in flight
+    run elsewhere (``Lifecycle.abandon``)."""
     http, pool, metrics, core = app[keys.HTTP], app[keys.POOL], app[keys.METRICS], app[keys.CORE]
     seen: set[str] = set()
     while True:
         started = time.monotonic()
+        healthy = [rid for rid, rec in core.replicas.items() if rec.healthy]
         results = await rounds.run(http, pool, core, metrics, started, wait_s=interval_s)
+        for rid in healthy:
+            if rid in core.replicas and not core.replicas[rid].healthy and rid in pool.ids() and pool.get(rid).silent:
+                app[keys.LIFECYCLE].abandon(rid, f"replica {rid} stopped answering its metrics scrapes")
         for exc in results:
             if isinstance(exc, Exception) and repr(type(exc)) not in seen:
                 seen.add(repr(type(exc)))

@@ -12,23 +12,29 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from aiohttp import web
 
+from replicas.addresses import canonical_url, resolve
 from replicas.config import StartupError
 from replicas.events import ReplicaEvent
+from replicas.membership import poll_until
 from replicas.replica_set import ReplicaEndpoint
 from router import keys
 from router.body import load_json_object
 from router.edge import body_of
 from router.errors import BadRequest, RouterError, echo
 from router.kv_events import KV_EVENTS, sync_watches
+from router.state.redis_client import StateUnavailable
 
 log = logging.getLogger(__name__)
 
 FLEET = web.AppKey("fleet", object)
 """The ``replicas.replica_set.ReplicaSet`` behind the router (None: fixed endpoints only)."""
+ADDING = web.AppKey("adding", set)
+"""Addresses (``replicas.addresses.resolve``) of the servers being added right now."""
 
 
 class NoFleet(RouterError):
@@ -41,11 +47,14 @@ def attach_fleet(app: web.Application, replica_set) -> None:
     """Follow ``replica_set``'s events (call before the app starts serving) until the app stops
     (a stopped router must not keep receiving them: several routers may serve one set in turn)."""
     app[FLEET] = replica_set
+    app[ADDING] = set()
     if replica_set is not None:
         unsubscribe = replica_set.subscribe(lambda event: on_replica_event(app, event))
+        replica_set.claim_index = lambda floor: _claim_index(app, floor)
 
         async def stop_following(_: web.Application) -> None:
             unsubscribe()
+            replica_set.claim_index = None
 
         app.on_cleanup.append(stop_following)
 
@@ -84,7 +93,51 @@ def on_replica_event(app: web.Application, event: ReplicaEvent) -> None:
     if subscriber is not None:
         sync_watches(subscriber, [s.endpoint for s in pool.states() if s.endpoint.replica_id in core.replicas])
     if keys.LIFECYCLE in app:
+        if kind in ("unhealthy", "restarting", "removed"):  # a hung engine would hold them until the timeout
+            app[keys.LIFECYCLE].abandon(rid, f"replica {rid} {kind}{f': {event.reason}' if event.reason else ''}")
         app[keys.LIFECYCLE].rotation_changed()
+
+
+def _shared(app: web.Application):
+    """The router's shared state (``router.state.redis_state.RedisState``), None without one."""
+    return app[keys.LIFECYCLE].shared if keys.LIFECYCLE in app else None
+
+
+async def _claim_index(app: web.Application, floor: int) -> int:
+    """A new replica's index: ``floor`` (the replica set's own next one) without shared state,
+    else one no router sharing it has used (NoSharedState, 503, while Redis is unreachable)."""
+    shared = _shared(app)
+    if shared is None:
+        return floor
+    try:
+        return await shared.claim_replica_index(floor)
+    except StateUnavailable as exc:
+        raise NoSharedState(f"cannot add a replica while redis is unreachable: its id must be unique across "
+                            f"the routers sharing state ({exc}); retry when it is back") from None
+
+
+class NoSharedState(RouterError):
+    """An id for a new replica needs the shared state, which is unreachable now (503)."""
+
+    status = 503
+
+
+_STOPPING: set = set()
+
+
+def stop_owned(app: web.Application, fleet, rid) -> None:
+    """Another router removed replica ``rid``, which this router's replica set holds: stop it
+    (in the background; the removal itself is already followed here). Logged if it fails."""
+    async def stop() -> None:
+        try:
+            if fleet.owns(rid):
+                await fleet.remove(rid)
+        except Exception as exc:  # noqa: BLE001 - a background task must say why it failed
+            log.warning("replica %s: stopping it after another router removed it failed: %r", rid, exc)
+
+    task = asyncio.get_running_loop().create_task(stop())
+    _STOPPING.add(task)
+    task.add_done_callback(_STOPPING.discard)
 
 
 def _set_endpoint(pool, endpoint: ReplicaEndpoint) -> None:
@@ -113,23 +166,59 @@ async def list_replicas(request: web.Request) -> web.Response:
 
 
 async def add_replica(request: web.Request) -> web.Response:
-    """POST /admin/replicas ``{}`` (start one from the config) or ``{"url": "http://..."}`` (register)."""
+    """POST /admin/replicas ``{}`` (start one from the config) or ``{"url": "http://..."}`` (register).
+
+    A URL is taken in its canonical spelling (``replicas.addresses``) and refused (400, ``url``)
+    when it reaches a server already a replica of this router, or one being added now, however
+    spelled (``localhost`` or ``127.0.0.1``, a trailing slash): one engine must not count twice."""
     body = load_json_object(body_of(request)) if request.body_exists else {}
     url = body.get("url")
-    if url is not None and (not isinstance(url, str) or not url.startswith(("http://", "https://"))):
-        raise BadRequest("'url' must be an http(s) URL of a running vLLM server", param="url")
+    if url is not None:
+        if not isinstance(url, str):
+            raise BadRequest("'url' must be an http(s) URL of a running vLLM server", param="url")
+        try:
+            url = canonical_url(url)
+        except ValueError as exc:
+            raise BadRequest(f"'url' {exc}", param="url") from None
     fleet = _fleet(request)
     if url is None and fleet.cfg.urls:
         raise BadRequest("this router fronts servers given by replicas.urls: it launches none; "
                          "register a running server with {\"url\": \"http://...\"}", param="url")
-    if url is not None and url.rstrip("/") in {s.endpoint.base_url for s in request.app[keys.POOL].states()}:
-        raise BadRequest(f"{echo(url)} is already a replica of this router", param="url")
+    claim = await _claim_address(request.app, url) if url is not None else None
     try:
-        endpoint = await fleet.add(url)
-    except StartupError as exc:  # unreachable, or a block size the fleet does not share
+        endpoint = await fleet.add(url, model=request.app[keys.POOL].model)
+    except StartupError as exc:  # unreachable, or a block size or model the fleet does not share
         raise BadRequest(f"cannot add the replica: {exc}", param="url" if url is not None else "body") from exc
+    finally:
+        if claim is not None:
+            request.app[ADDING].discard(claim)
     await request.app[FLEET].events.flush()  # the router follows it before answering
     return web.json_response({"replica": endpoint.replica_id, "url": endpoint.base_url}, status=201)
+
+
+async def _claim_address(app: web.Application, url: str):
+    """Resolve ``url`` and hold its address while it is added; BadRequest (``url``) when it does
+    not resolve, or reaches a replica of this router or a server being added."""
+    try:
+        address = await resolve(url)
+    except OSError as exc:
+        raise BadRequest(f"cannot add the replica: {echo(url)} does not resolve ({exc})", param="url") from None
+    known = {}
+    for s in list(app[keys.POOL].states()):
+        try:
+            known[s.endpoint.base_url] = await resolve(s.endpoint.base_url)
+        except OSError:  # a replica's name that no longer resolves: compare its spelling
+            known[s.endpoint.base_url] = frozenset()
+        if s.endpoint.base_url == url:
+            known[url] = address
+    adding = app[ADDING]  # checked and claimed with no await in between
+    twin = next((u for u, a in known.items() if a & address), None)
+    if twin is not None:
+        raise BadRequest(f"{echo(url)} is already a replica of this router (as {echo(twin)})", param="url")
+    if any(a & address for a in adding):
+        raise BadRequest(f"{echo(url)} is being added already (another request)", param="url")
+    adding.add(address)
+    return address
 
 
 async def remove_replica(request: web.Request) -> web.Response:
@@ -150,9 +239,36 @@ async def remove_replica(request: web.Request) -> web.Response:
     if drain_s is not None and not 0 <= drain_s <= 3600:
         raise BadRequest("'drain_s' must be a number of seconds in [0, 3600]", param="drain_s")
 
-    async def idle() -> bool:
-        return core.in_flight(rid) == 0
+    fleet, shared = _fleet(request), _shared(request.app)
 
-    drained = await _fleet(request).remove(rid, drain_timeout_s=drain_s, idle=idle)
-    await request.app[FLEET].events.flush()
+    async def idle() -> bool:  # nothing in flight there here, nor on any other router
+        return core.in_flight(rid) == 0 and (shared is None or await shared.drained_everywhere(rid))
+
+    if fleet.owns(rid):
+        try:
+            drained = await fleet.remove(rid, drain_timeout_s=drain_s, idle=idle)
+        except KeyError:  # a DELETE of it is under way already (or it just left)
+            raise BadRequest(f"replica {echo(rid)!r} is being removed already", param="replica_id") from None
+        await fleet.events.flush()
+    else:  # added through another router: drain and drop it here, its owner stops it on reading that
+        drained = await _remove_elsewhere(request.app, rid, drain_s, idle)
     return web.json_response({"replica": rid, "removed": True, "drained": drained})
+
+
+async def _remove_elsewhere(app: web.Application, rid, drain_s: float | None, idle) -> bool:
+    """Remove replica ``rid`` that another router's replica set holds (shared state): publish
+    ``draining`` and wait up to ``drain_s`` until it is idle everywhere, then drop it here and
+    publish ``removed`` at once; the router holding it stops it when it reads that
+    (``RegistrySync._apply``). BadRequest without shared state (no other router to hold it)."""
+    shared = _shared(app)
+    if shared is None:
+        raise BadRequest(f"replica {echo(rid)!r} is not one this router's replica set holds", param="replica_id")
+    endpoint = app[keys.POOL].get(rid).endpoint
+    drained = True
+    if drain_s is not None:
+        on_replica_event(app, ReplicaEvent("draining", rid, endpoint, f"drain within {drain_s:g} s"))
+        drained = await poll_until(idle, drain_s, f"drain of {rid}")
+    if rid in app[keys.CORE].replicas:
+        on_replica_event(app, ReplicaEvent("removed", rid, endpoint, "removed" if drained else "drain timed out"))
+    await shared.push_registry()
+    return drained

@@ -79,7 +79,8 @@ async def forward(client: web.Request, parsed: ParsedRequest, token_ids: list[in
             watch = StreamWatch(flight.tokens, lambda cached: annotation(
                 job, core, expose_cached=expose, cached=cached, spans=flight.spans, reruns=life.reruns.get(job.id, 0),
                 tokens=flight.tokens))
-            resp = await relay_stream(client, life.http, url, body, route_headers(job, expose_cached=expose), watch)
+            resp = await relay_stream(client, life.http, url, body, route_headers(job, expose_cached=expose), watch,
+                                      on_start=lambda: setattr(flight, "answering", True))
         else:
             # on the fast lane a 200 is answered as its last byte is read (AnswerAhead), its
             # headers and annotation built while the replica works

@@ -82,9 +82,13 @@ class Flight:
     streaming: bool
     task: asyncio.Task | None = None
     preempted: str | None = None
+    elsewhere: bool = False
+    """Taken back because its replica stopped answering (``Lifecycle.abandon``): it runs again
+    on another replica, as after a 5xx, instead of again on any (a weight update's preemption)."""
     answering: bool = False
-    """Its whole answer is being written to the client (``router.responses.send_now``): a weight
-    update leaves it alone, as it leaves a stream (preempting it now would answer twice)."""
+    """Its answer is being written to the client (``router.responses.send_now``; a stream once
+    its first byte went): a weight update or an abandon leaves it alone (preempting it now would
+    answer twice)."""
     tokens: dict[int, int] = field(default_factory=dict)
     spans: list[dict[str, Any]] = field(default_factory=list)
 
@@ -186,6 +190,8 @@ class Lifecycle:
             # preempted alone (the client still here): take the cancel back and run it again;
             # a client gone as well (two cancels) ends the request
             if flight.preempted is not None and task.uncancel() == 0:
+                if flight.elsewhere:
+                    raise RetryElsewhere(flight.preempted) from None
                 raise Rerun(flight.preempted) from None
             raise
         finally:
@@ -267,6 +273,21 @@ class Lifecycle:
                 flight.preempted = reason
                 flight.task.cancel()
                 n += 1
+        return n
+
+    def abandon(self, rid: ReplicaId, reason: str) -> int:
+        """``rid`` stopped answering (out of rotation: a failed health check or scrapes, a restart,
+        a removal): take back every attempt there of which nothing reached the client yet, streams
+        included, to run on another replica (``RetryElsewhere``, within ``connect_retries``)
+        instead of waiting ``request_timeout_s`` on a hung engine for a 502. Returns the count."""
+        n = 0
+        for flight in list(self.flights.get(rid, {}).values()):
+            if not flight.answering and flight.task is not None and flight.preempted is None:
+                flight.preempted, flight.elsewhere = reason, True
+                flight.task.cancel()
+                n += 1
+        if n:
+            log.warning("replica %s: %d request(s) in flight there run again elsewhere: %s", rid, n, reason)
         return n
 
     def _rerun(self, job: Job, reason: str) -> None:
@@ -357,7 +378,7 @@ class Lifecycle:
     def _dispatched(self, job: Job) -> bool:
         """Count ``job`` as sent; False when it may not be sent now (``core.dispatchable``)."""
         rid = job.decision.replica_id
-        self.metrics.in_flight.labels(rid).set(self.core.in_flight(rid))
+        self.metrics.set_in_flight(rid, self.core.in_flight(rid))
         return self.core.dispatchable(job)
 
     def _retry(self, job: Job, exc: Exception) -> None:
@@ -380,7 +401,7 @@ class Lifecycle:
 
     def _after_finish(self, rid) -> None:
         if rid is not None:
-            self.metrics.in_flight.labels(rid).set(self.core.in_flight(rid))
+            self.metrics.set_in_flight(rid, self.core.in_flight(rid))
         for out, outcome, failures in self.core.taken_out():
             log.warning("replica %s out of rotation: %d failed request(s) in a row (last: %s); a scrape that "
                         "reaches it puts it back", out, failures, outcome)

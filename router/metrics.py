@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import time
+from collections.abc import Container
 
 from aiohttp import web
 import prometheus_client
@@ -127,9 +128,15 @@ class Histogram(_CachedLabels, prometheus_client.Histogram):
 
 
 class RouterMetrics:
-    """Counters and gauges named ``rollout_router_*``."""
+    """Counters and gauges named ``rollout_router_*``.
+
+    ``replicas``: the replicas in the fleet now (the decision core's records: ``create_app`` sets
+    it); a per-replica gauge is set only for one of them, so work that ends after its replica
+    left (a request, a scrape in flight) does not bring back the gauges ``forget_replica``
+    removed. None: every replica counts."""
 
     def __init__(self) -> None:
+        self.replicas: Container[str] | None = None
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("rollout_router_requests", "Requests handled, by endpoint and HTTP status",
@@ -213,6 +220,8 @@ class RouterMetrics:
         self.predicted_cached.labels(rid).inc(job.expected_cached_tokens * samples)
         self.reported_cached.labels(rid).inc(reported_cached)
         self.saved.labels(rid).inc(reported_cached)
+        if not self.live(rid):
+            return
         self._prompt[rid] = self._prompt.get(rid, 0) + prompt_tokens
         self._cached[rid] = self._cached.get(rid, 0) + reported_cached
         self.hit_rate.labels(rid).set(self._cached[rid] / max(1, self._prompt[rid]))
@@ -231,6 +240,15 @@ class RouterMetrics:
             self.replica_requests.labels(rid, "running").set(m.num_running)
             self.replica_requests.labels(rid, "waiting").set(m.num_waiting)
             self.replica_preemptions.labels(rid).set(m.num_preemptions)
+
+    def live(self, rid: str) -> bool:
+        """Whether ``rid`` is in the fleet (see ``replicas``): its gauges may be set."""
+        return self.replicas is None or rid in self.replicas
+
+    def set_in_flight(self, rid: str, n: int) -> None:
+        """``rollout_router_in_flight`` of ``rid``, unless it left the fleet."""
+        if self.live(rid):
+            self.in_flight.labels(rid).set(n)
 
     def forget_replica(self, rid: str) -> None:
         """``rid`` left the fleet: its gauges go (a dashboard would read its last in-flight count,

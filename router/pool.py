@@ -24,6 +24,8 @@ class ReplicaState:
     metrics: VllmMetrics = field(default_factory=VllmMetrics)
     scrape_failures: int = 0
     """Consecutive failed metrics scrapes (reset by a good one)."""
+    silent: bool = False
+    """Its last scrape got no answer in time (a hung engine; not one that answered an error)."""
 
 
 class ReplicaPool:
@@ -39,13 +41,17 @@ class ReplicaPool:
         """Replace the endpoint list, keeping the scrape state of replicas that stay."""
         old = self._states
         self._states = {}
+        if endpoints:
+            self._model = endpoints[0].model
         for ep in endpoints:
             state = old.get(ep.replica_id)
             self._states[ep.replica_id] = ReplicaState(ep) if state is None else dataclasses.replace(state, endpoint=ep)
 
     @property
     def model(self) -> str:
-        return next(iter(self._states.values())).endpoint.model
+        """The model the replicas serve; once the last one left, the one they served (every
+        replica serves one model: ``/admin/replicas`` refuses another)."""
+        return self._model
 
     def ids(self) -> list[ReplicaId]:
         return list(self._states)

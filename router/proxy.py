@@ -290,7 +290,8 @@ def _decode(raw: bytes) -> tuple[Any, bool]:
 
 
 async def relay_stream(client: web.Request, http: aiohttp.ClientSession, url: str, body: dict[str, Any],
-                       headers: dict[str, str], watch: Any = None) -> web.StreamResponse | UpstreamResult:
+                       headers: dict[str, str], watch: Any = None,
+                       on_start: Callable[[], None] | None = None) -> web.StreamResponse | UpstreamResult:
     """POST a streaming request and relay the server-sent events to ``client`` as they come.
 
     An upstream error status before streaming starts comes back as an :class:`UpstreamResult`
@@ -298,7 +299,8 @@ async def relay_stream(client: web.Request, http: aiohttp.ClientSession, url: st
     Raises ReplicaUnreachable when the replica cannot be reached before the first byte.
     ``watch`` (``router.weights.report.StreamWatch``): relay event by event, let it count each
     one as it is read, and give the final chunk before ``[DONE]`` its ``rollout_router`` object
-    (``router.weights.stream.relay_events``).
+    (``router.weights.stream.relay_events``). ``on_start``: called just before the first byte
+    goes to ``client`` (from then on the request cannot run again elsewhere).
     """
     up = await _send(http, url, body)
     resp: web.StreamResponse | None = None
@@ -307,6 +309,8 @@ async def relay_stream(client: web.Request, http: aiohttp.ClientSession, url: st
             return UpstreamResult(up.status, await up.read())
         resp = web.StreamResponse(status=200, headers={**headers, "Cache-Control": "no-cache"})
         resp.content_type = "text/event-stream"
+        if on_start is not None:
+            on_start()
         await resp.prepare(client)
         tail = b""
         try:

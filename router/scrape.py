@@ -38,17 +38,19 @@ async def scrape_once(http: aiohttp.ClientSession, state: ReplicaState, core: De
         m = await asyncio.to_thread(parse_vllm_metrics, text)  # ~15 ms of parsing: off the event loop
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:  # ValueError: not Prometheus text
         state.scrape_failures += 1
+        state.silent = isinstance(exc, asyncio.TimeoutError)
         refused = isinstance(exc, aiohttp.ClientConnectorError)
         if healthy and (refused or state.scrape_failures >= FAILURES_OUT_OF_ROTATION):
             log.warning("replica %s failed %d metrics scrape(s), out of rotation: %r", rid, state.scrape_failures, exc)
             core.set_health(rid, False)
     else:
         state.metrics = m
-        state.scrape_failures = 0
+        state.scrape_failures, state.silent = 0, False
         core.set_health(rid, True)
         core.observe_load(rid, ReplicaLoad(m.kv_cache_usage, m.num_running, m.num_waiting, m.num_gpu_blocks,
                                            m.num_preemptions), started_at)
-        metrics.kv_usage.labels(rid).set(m.kv_cache_usage)
+        if rid in core.replicas:  # (one that left while its scrape was under way has no gauges)
+            metrics.kv_usage.labels(rid).set(m.kv_cache_usage)
     metrics.healthy.labels(rid).set(1 if rid in core.replicas and core.replicas[rid].healthy else 0)
 
 

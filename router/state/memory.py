@@ -66,6 +66,18 @@ class MemoryState:
         """No other router to wait for: none late."""
         return []
 
+    async def claim_replica_index(self, floor: int) -> int:
+        """No other router adds replicas: ``floor`` (the replica set's own next index)."""
+        return floor
+
+    async def drained_everywhere(self, rid) -> bool:
+        """No other router has requests anywhere: True."""
+        return True
+
+    async def push_registry(self) -> None:
+        """No registry to write."""
+        return None
+
     async def start(self, app, core: DecisionCore) -> None:
         """Nothing to join."""
         return None

@@ -29,8 +29,13 @@ def new_router_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{os.urandom(3).hex()}"
 
 
-def view_of(app, router_id: str, epoch: int, confirmed: bool, address: str | None = None) -> dict[str, Any]:
-    """What ``rollout-router status`` shows for one router; ``address``: where it serves."""
+def view_of(app, router_id: str, epoch: int, confirmed: bool, address: str | None = None,
+            registry_seq: dict | None = None) -> dict[str, Any]:
+    """What ``rollout-router status`` shows for one router; ``address``: where it serves;
+    ``registry_seq``: per replica, the newest registry entry this router applied (a drain on
+    another router waits until every router applied its ``draining`` and has nothing left there:
+    ``RedisState.drained_everywhere``)."""
+    seqs = registry_seq or {}
     from router import keys
 
     core, pool = app[keys.CORE], app[keys.POOL]
@@ -41,7 +46,8 @@ def view_of(app, router_id: str, epoch: int, confirmed: bool, address: str | Non
             "url": s.endpoint.base_url, "version": core.versions.loaded.get(s.endpoint.replica_id),
             "healthy": s.endpoint.replica_id in core.replicas and core.replicas[s.endpoint.replica_id].healthy,
             "rotation": core.versions.rotation.get(s.endpoint.replica_id),
-            "in_flight": core.in_flight(s.endpoint.replica_id)} for s in pool.states()},
+            "in_flight": core.in_flight(s.endpoint.replica_id),
+            "registry_seq": seqs.get(s.endpoint.replica_id, 0)} for s in pool.states()},
     }
 
 
@@ -100,9 +106,10 @@ class PeerSync:
         await self.redis.call(run)
 
 
-async def read_status(redis: GuardedRedis, keys: Keys, ttl_s: float) -> list[dict[str, Any]]:
-    """Every live router's view (``rollout-router status``). Raises StateUnavailable."""
+async def read_status(redis: GuardedRedis, keys: Keys, ttl_s: float, **call) -> list[dict[str, Any]]:
+    """Every live router's view (``rollout-router status``); ``call``: ``GuardedRedis.call``'s
+    options (``timeout_s``, ``background``). Raises StateUnavailable."""
     now = time.time()
-    alive = await redis.call(lambda c: c.zrangebyscore(keys.routers, now - ttl_s, "+inf"))
-    views = await redis.call(lambda c: c.mget([keys.router(r) for r in alive])) if alive else []
+    alive = await redis.call(lambda c: c.zrangebyscore(keys.routers, now - ttl_s, "+inf"), **call)
+    views = await redis.call(lambda c: c.mget([keys.router(r) for r in alive]), **call) if alive else []
     return [json.loads(v) for v in views if v]

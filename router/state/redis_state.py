@@ -17,7 +17,7 @@ import logging
 import time
 
 from cache_policy.core import DecisionCore, Job, RequestSpec
-from router.state.peers import PeerSync, new_router_id, view_of
+from router.state.peers import PeerSync, new_router_id, read_status, view_of
 from router.state.pins import PinSync, Seen
 from router.state.redis_client import GuardedRedis, StateUnavailable
 from router.state.registry import RegistrySync
@@ -115,6 +115,47 @@ class RedisState:
         except (StateUnavailable, ValueError, AttributeError):
             return None
         return address if isinstance(address, str) else None
+
+    # -- the fleet's API (router.fleet: /admin/replicas) -------------------------------------------
+
+    async def claim_replica_index(self, floor: int) -> int:
+        """A replica index at least ``floor`` no router sharing this state has used
+        (``RegistrySync.claim_index``). Raises StateUnavailable."""
+        return await self.registry.claim_index(floor, self.background_timeout_s)
+
+    async def drained_everywhere(self, rid) -> bool:
+        """Whether replica ``rid``, draining here, is idle on every other live router: each has
+        applied this router's ``draining`` entry (no new work goes there from it) and, in its view
+        written since, has nothing in flight there. Publishes the entry first when this router has
+        not yet. True when no other router is alive. Redis down (the breaker open): True (the
+        others cannot learn of the drain now; a request of theirs that meets the stopped replica
+        is run elsewhere, and they drop it when they read its removal); one failed call: False
+        (asked again at the next poll). Never raises."""
+        try:
+            if self.registry.known.get(rid, {}).get("state") != "draining":
+                await self.registry.push(self.app, self.background_timeout_s)
+            if self.registry.known.get(rid, {}).get("state") != "draining":
+                return False
+            seq = self.registry.seq.get(rid, 0)
+            views = await read_status(self.redis, self.keys, self.peers.ttl_s, background=True,
+                                      timeout_s=self.background_timeout_s)
+        except StateUnavailable:
+            return not self.redis.available
+        for view in views:
+            entry = (view.get("replicas") or {}).get(rid) if isinstance(view, dict) else None
+            if view.get("router") == self.router_id or not isinstance(entry, dict):
+                continue  # this router (its own count is the caller's), or one without the replica
+            if int(entry.get("registry_seq") or 0) < seq or int(entry.get("in_flight") or 0) > 0:
+                return False
+        return True
+
+    async def push_registry(self) -> None:
+        """Write this router's fleet changes to the registry now, not at the next sync round
+        (a removal the owner of the replica stops it on). Never raises."""
+        try:
+            await self.registry.push(self.app, self.background_timeout_s)
+        except StateUnavailable:
+            pass  # the next sync round writes it
 
     async def publish_versions(self, core: DecisionCore, recomputed: dict | None = None) -> bool:
         """Publish ``core``'s versions, policy and update rotation; False if Redis is unreachable.
@@ -223,7 +264,8 @@ class RedisState:
             # the confirmed epoch rides along (its TTL is a router's), unless a marking is under way
             marked = self._marked if self._marked >= 0 and not self._marking else None
             others = await self.peers.beat(self.app, core, view_of(self.app, self.router_id, self.versions.applied,
-                                                                   self.versions.confirmed, self.address), t, marked)
+                                                                   self.versions.confirmed, self.address,
+                                                                   self.registry.seq), t, marked)
             if self.versions.pending:  # a publication of ours got no answer: ours again (wire.PUBLISH_VERSIONS)
                 if await self.versions.publish(core, retry=True, timeout_s=t):
                     epoch = self.versions.applied

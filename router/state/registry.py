@@ -19,7 +19,7 @@ from cache_policy.types import ReplicaId
 from replicas.kv_events import KvEventSource
 from replicas.replica_set import ReplicaEndpoint
 from router.state.redis_client import GuardedRedis
-from router.state.wire import PUT_REPLICA, Keys
+from router.state.wire import CLAIM_REPLICA_INDEX, PUT_REPLICA, Keys
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +84,12 @@ class RegistrySync:
             self.known[rid] = entry
         return len(changes)
 
+    async def claim_index(self, floor: int, timeout_s: float) -> int:
+        """A replica index at least ``floor`` that no router has used (``wire.CLAIM_REPLICA_INDEX``).
+        Raises StateUnavailable."""
+        return int(await self.redis.call(lambda c: c.eval(
+            CLAIM_REPLICA_INDEX, 2, self.keys.replicas, self.keys.replicas_next, floor), timeout_s=timeout_s))
+
     async def pull(self, app, timeout_s: float) -> int:
         """Carry entries other routers wrote since the last sync into this router. Raises StateUnavailable."""
         raw = await self.redis.call(lambda c: c.hgetall(self.keys.replicas), timeout_s=timeout_s, background=True)
@@ -113,16 +119,21 @@ class RegistrySync:
     def _apply(self, app, rid: ReplicaId, entry: dict[str, Any]) -> None:
         from replicas.events import ReplicaEvent
         from router import keys
-        from router.fleet import on_replica_event
+        from router.fleet import FLEET, on_replica_event, stop_owned
 
         pool, core = app[keys.POOL], app[keys.CORE]
         here = {s.endpoint.replica_id: s.endpoint for s in pool.states()}
         state = entry["state"]
-        if state == "removed":
-            if rid in here and len(here) > 1:
-                on_replica_event(app, ReplicaEvent("removed", rid, here[rid]))
+        if state == "removed":  # (the last one too: a fleet of none answers 503, not a replica it was told is gone)
+            if rid in here:
+                on_replica_event(app, ReplicaEvent("removed", rid, here[rid], "removed by another router"))
+            fleet = app.get(FLEET)
+            if fleet is not None and fleet.owns(rid):  # ours: another router removed it, we stop it
+                stop_owned(app, fleet, rid)
             return
         local = here.get(rid)
+        if local is None and self.known.get(rid, {}).get("state", "removed") != "removed":
+            return  # this router removed it since its last push: its 'removed' goes out next, not back in
         endpoint = endpoint_of(entry, local.api_key if local is not None else None)
         if local is None or rid not in core.replicas:
             log.warning("replica %s at %s added by another router", rid, endpoint.base_url)

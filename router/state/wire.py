@@ -111,6 +111,19 @@ redis.call('PUBLISH', ARGV[3], 'replicas\\t' .. seq)
 return seq
 """
 
+CLAIM_REPLICA_INDEX = """
+-- KEYS: replicas hash, next-index key; ARGV: the caller's own next index.
+-- An index at least ARGV[1], above every 'replica-<n>' in the registry and every index claimed
+-- before (by any router): two routers adding a replica at once never get the same id.
+local n = math.max(tonumber(ARGV[1]), tonumber(redis.call('GET', KEYS[2]) or '0'))
+for _, rid in ipairs(redis.call('HKEYS', KEYS[1])) do
+  local i = string.match(rid, '^replica%-(%d+)$')
+  if i and tonumber(i) >= n then n = tonumber(i) + 1 end
+end
+redis.call('SET', KEYS[2], n + 1)
+return n
+"""
+
 
 @dataclass(frozen=True)
 class Keys:

@@ -602,3 +602,25 @@ def test_an_attempt_undone_after_its_replica_came_back_leaves_the_new_ones_count
     core.finish(job, "unreachable", fake_clock.now())
     assert {rid: core.policy.sent.get(rid, fake_clock.now()) for rid in (A, b)} == before
     core.check_integrity()
+
+
+def test_a_removed_replica_leaves_no_ledger_entry_once_its_last_ticket_is_released():
+    """A fleet that changes for days must not keep counts per replica it ever had (NOTES D12)."""
+    from cache_policy.ledger import KvLedger, Ticket
+
+    ledger = KvLedger()
+    gone, stays, idle = ReplicaId("replica-7"), ReplicaId("replica-8"), ReplicaId("replica-9")
+    tickets = [Ticket(rid, 3, 3, None, 1.0, "new", n) for n, rid in enumerate((gone, gone, stays, idle))]
+    for t in tickets:
+        ledger.admit(t)
+    ledger.scraped(gone, 0.5)
+    ledger.release(tickets[3])
+    ledger.forget_replica(idle)  # nothing in flight: its entries go at once
+    ledger.forget_replica(gone)  # two tickets out: counted until they are released
+    assert ledger.count(gone) == 2 and idle not in ledger.requests_by_replica
+    ledger.release(tickets[0])
+    assert ledger.count(gone) == 1 and ledger.committed(gone) == 3
+    ledger.release(tickets[1])
+    ledger.check_integrity()
+    assert dict(ledger.requests_by_replica) == {stays: 1} and ledger.committed(gone) == 0
+    assert gone not in ledger.scraped_at and ledger.unseen(gone) == 0

@@ -122,3 +122,13 @@ def test_frontend_cpus_parse_and_bad_values_name_the_field():
     for bad in ("x", "3-1", "1-", "-2"):
         with pytest.raises(ValueError, match="frontend_cpus"):
             ReplicaSetConfig(frontend_cpus=bad)
+
+
+def test_server_urls_are_kept_in_one_spelling_and_one_server_named_twice_is_refused():
+    assert ReplicaSetConfig(urls=(" HTTP://Node-A:8000/ ", "http://node-b:80/v1/")).urls == (
+        "http://node-a:8000", "http://node-b/v1")
+    for urls, says in [(("http://a:1", "http://A:1/"), "more than once"), (("http://u:pw@a:1",), "credentials"),
+                       (("ftp://a:1",), "http(s)"), (("http://a:1?x=1",), "query")]:
+        with pytest.raises(ValueError, match="urls") as err:
+            ReplicaSetConfig(urls=urls)
+        assert says in str(err.value)

@@ -6,11 +6,13 @@ Its prefix cache is its own, written from vLLM's rule rather than the router's c
 of ``block_size`` tokens are cached by prefix, and the prompt's last token is always recomputed,
 so a repeated prompt of ``L`` tokens reports ``(L - 1) // block_size * block_size`` cached tokens.
 An ID outside ``[0, vocab_size)`` gets vLLM 0.32's 400 (``renderers/base.py``
-``validate_token_ids``: a null ``param``).
+``validate_token_ids``: a null ``param``). ``delay_s`` makes each completion take that long;
+``hang()`` makes every request wait until ``resume()`` (a SIGSTOPped engine, as clients see it).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import re
 from pathlib import Path
@@ -38,6 +40,17 @@ class FakeVllm:
         self.page = metrics_page(block_size, num_gpu_blocks)
         self.bodies: list[dict] = []
         self._cached: set[tuple[int, ...]] = set()
+        self.delay_s = 0.0
+        self.in_flight = 0
+        self._running = asyncio.Event()
+        self._running.set()
+
+    def hang(self) -> None:
+        """Every request from now on waits (answers nothing) until :meth:`resume`."""
+        self._running.clear()
+
+    def resume(self) -> None:
+        self._running.set()
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -48,9 +61,11 @@ class FakeVllm:
         return app
 
     async def _health(self, _: web.Request) -> web.Response:
+        await self._running.wait()
         return web.Response()
 
     async def _metrics(self, _: web.Request) -> web.Response:
+        await self._running.wait()
         return web.Response(text=self.page)
 
     async def _models(self, _: web.Request) -> web.Response:
@@ -69,6 +84,12 @@ class FakeVllm:
     async def _completions(self, request: web.Request) -> web.Response:
         body = await request.json()
         self.bodies.append(body)
+        self.in_flight += 1
+        try:
+            await self._running.wait()
+            await asyncio.sleep(self.delay_s)
+        finally:
+            self.in_flight -= 1
         prompt = body["prompt"]
         bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
         if bad is not None:

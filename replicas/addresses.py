@@ -1,0 +1,61 @@
+"""One server, one spelling: replica URLs in a canonical form, and what they resolve to.
+
+A replica registered twice (``http://localhost:8000`` and ``http://127.0.0.1:8000/``) would be
+two replicas to the router on one engine: its load counted twice, its cache predicted twice.
+``canonical_url`` refuses what a replica URL must not carry and spells the rest one way;
+``resolve`` gives the socket addresses a URL reaches, which ``/admin/replicas`` compares.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import yarl
+
+RESOLVE_TIMEOUT_S = 5.0
+
+Address = frozenset[tuple[str, int, str]]
+"""Where a URL leads: ``{(ip, port, path)}``, one per address its host resolves to."""
+
+
+def canonical_url(text: str) -> str:
+    """``text`` as the router spells a replica's base URL: surrounding blanks and trailing
+    slashes gone, scheme and host in lower case, the port only when it is not the scheme's
+    default. ``ValueError`` naming the problem when it is not an ``http(s)://host[:port][/path]``
+    URL: no host, a bad port, a host name that IDNA cannot encode (a label over 63 characters),
+    credentials (``user:password@``: they would be stored and shown in every listing), a query or
+    a fragment."""
+    try:
+        url = yarl.URL(text.strip())
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"is not a URL ({exc})") from None
+    if url.scheme not in ("http", "https") or not url.host:
+        raise ValueError("must be an http(s)://host[:port] URL of a running vLLM server")
+    if url.user is not None or url.password is not None:
+        raise ValueError("must not carry credentials (user:password@): replica URLs are stored and listed")
+    if url.query_string or url.fragment:
+        raise ValueError("must have no query string or fragment")
+    host = url.host.lower()
+    try:
+        host.encode("idna")
+    except UnicodeError as exc:
+        raise ValueError(f"has a host name that is not valid ({exc})") from None
+    return str(yarl.URL.build(scheme=url.scheme, host=host, port=url.explicit_port,
+                              path=url.path.rstrip("/"), encoded=False)).rstrip("/")
+
+
+async def resolve(url: str, timeout_s: float = RESOLVE_TIMEOUT_S) -> Address:
+    """The socket addresses of ``url`` (canonical) as ``{(ip, port, path)}``; ``OSError`` when
+    its host does not resolve within ``timeout_s``."""
+    u = yarl.URL(url)
+    port = u.port or (443 if u.scheme == "https" else 80)
+    try:
+        infos = await asyncio.wait_for(
+            asyncio.get_running_loop().getaddrinfo(u.host, port, type=socket.SOCK_STREAM), timeout_s)
+    except asyncio.TimeoutError:
+        raise OSError(f"{u.host} did not resolve within {timeout_s:g} s") from None
+    except UnicodeError as exc:
+        raise OSError(f"{u.host}: {exc}") from None
+    path = u.path.rstrip("/")
+    return frozenset((info[4][0], int(info[4][1]), path) for info in infos)

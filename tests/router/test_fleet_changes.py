@@ -1,0 +1,247 @@
+"""Fleet changes at the edges (no vLLM): real routers over real HTTP, real ``ReplicaSet``\\ s wrapping
+fake vLLM servers on loopback (``fake_vllm``), and a real ``redis-server`` where two routers share
+state. Each test here failed on the code before it (the attacker's D1-D11, NOTES "Fleet changes").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Any, AsyncIterator
+
+import aiohttp
+import pytest
+
+from replicas.config import ReplicaSetConfig
+from replicas.replica_set import ReplicaSet
+from replicas.supervisor import SupervisionConfig
+from router import keys
+from router.config import AppConfig
+from router.server import running_router
+from tests.router.edge_fixtures import tiny_tokenizer
+from tests.router.fake_vllm import FakeVllm, serving
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+TOKEN = "fleet-token"
+ADMIN = {"Authorization": f"Bearer {TOKEN}"}
+QUIET = SupervisionConfig(enabled=False)
+
+
+@contextlib.asynccontextmanager
+async def fakes(n: int, **kw: Any) -> AsyncIterator[tuple[list[FakeVllm], list[str]]]:
+    """``n`` fake vLLM servers on loopback: ``(servers, base URLs)``."""
+    servers = [FakeVllm(**kw) for _ in range(n)]
+    async with contextlib.AsyncExitStack() as stack:
+        urls = [await stack.enter_async_context(serving(f)) for f in servers]
+        yield servers, urls
+
+
+@contextlib.asynccontextmanager
+async def router(urls: list[str], supervision: SupervisionConfig = QUIET, redis_url: str | None = None,
+                 prefix: str = "fc:", **over: Any) -> AsyncIterator[tuple[str, Any, ReplicaSet]]:
+    """A router (``rollout-router serve``'s wiring) over a ReplicaSet wrapping ``urls``:
+    ``(base URL, app, replica set)``. ``redis_url``: shared state under ``prefix``."""
+    state = {"state": "redis", "redis_url": redis_url, "redis_prefix": prefix, "state_sync_interval_s": 0.1,
+             "redis_timeout_s": 1.0} if redis_url else {}
+    cfg = AppConfig().replace(router={"port": 0, "scrape_interval_s": 0, "admin_token": TOKEN, "kv_events": False,
+                                      **state, **over})
+    async with ReplicaSet(ReplicaSetConfig(urls=tuple(urls)), supervision=supervision) as rs:
+        async with running_router(cfg, rs.endpoints, tiny_tokenizer(), replica_set=rs) as (url, app):
+            yield url, app, rs
+
+
+async def call(method: str, url: str, **kw: Any) -> tuple[int, Any, dict]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
+        async with http.request(method, url, **kw) as r:
+            return r.status, await r.json(content_type=None), dict(r.headers)
+
+
+async def fleet_of(url: str) -> dict[str, str]:
+    status, body, _ = await call("GET", url + "/admin/replicas", headers=ADMIN)
+    assert status == 200, body
+    return {r["replica"]: r["url"] for r in body["replicas"]}
+
+
+async def until(check, timeout_s: float = 5.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await check():
+        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
+        await asyncio.sleep(0.05)
+
+
+async def test_one_server_is_one_replica_however_its_url_is_spelt_or_however_many_ask_at_once():
+    async with fakes(2) as (_, (u0, u1)), router([u0]) as (url, app, rs):
+        port = u0.rsplit(":", 1)[1]
+        for spelling in (f"http://localhost:{port}", f" {u0}/ ", f"HTTP://127.0.0.1:{port}//", f"{u0}\n"):
+            status, body, _ = await call("POST", url + "/admin/replicas", json={"url": spelling}, headers=ADMIN)
+            assert status == 400 and body["error"]["param"] == "url" and "already a replica" in body["error"]["message"]
+        answers = await asyncio.gather(*(call("POST", url + "/admin/replicas", json={"url": u1}, headers=ADMIN)
+                                         for _ in range(5)))
+        assert sorted(status for status, _, _ in answers) == [201, 400, 400, 400, 400], answers
+        assert await fleet_of(url) == {"replica-0": u0, "replica-1": u1}
+
+
+async def test_a_url_that_is_not_a_replica_of_this_fleet_is_refused_naming_the_url_and_uses_no_id():
+    async with fakes(1) as (_, (u0,)), fakes(1, model="another-model") as (_, (other,)), router([u0]) as (url, app, rs):
+        from aiohttp import web
+
+        garbage = web.Application()  # answers /health, but its /metrics is not Prometheus text
+        garbage.router.add_get("/health", _ok)
+        garbage.router.add_get("/metrics", _not_metrics)
+        runner = web.AppRunner(garbage)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        garbage_url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        try:
+            cases = {
+                "http://user:secret@127.0.0.1:1": "credentials",
+                "http://" + "a" * 70 + ".example:1": "host name",
+                "http://127.0.0.1:1/?x=1": "query",
+                "http://127.0.0.1:99999": "URL",
+                garbage_url: "Prometheus",
+                other: "'another-model' but the fleet serves 'fake-gpu-model'",
+            }
+            for bad, why in cases.items():
+                status, body, _ = await call("POST", url + "/admin/replicas", json={"url": bad}, headers=ADMIN)
+                assert status == 400 and body["error"]["param"] == "url" and why in body["error"]["message"], (bad, body)
+                assert "secret" not in body["error"]["message"]
+        finally:
+            await runner.cleanup()
+        async with fakes(1) as (_, (good,)):
+            status, body, _ = await call("POST", url + "/admin/replicas", json={"url": good}, headers=ADMIN)
+            assert status == 201 and body == {"replica": "replica-1", "url": good}  # no id spent on the refusals
+
+
+async def _ok(_):
+    from aiohttp import web
+    return web.Response()
+
+
+async def _not_metrics(_):
+    from aiohttp import web
+    return web.Response(text="{{{ not metrics")
+
+
+async def test_after_the_last_replica_left_the_router_still_names_its_model_and_answers_503_then_takes_a_new_one():
+    async with fakes(2) as (_, (u0, u1)), router([u0]) as (url, app, rs):
+        status, body, _ = await call("DELETE", url + "/admin/replicas/replica-0?drain_s=0", headers=ADMIN)
+        assert status == 200 and body["drained"] is True  # idle: a drain of 0 s is a drained one
+        status, body, _ = await call("GET", url + "/v1/models")
+        assert status == 200 and [m["id"] for m in body["data"]] == ["fake-gpu-model"]
+        status, body, _ = await call("POST", url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 1})
+        assert status == 503, body
+        status, body, _ = await call("POST", url + "/admin/replicas", json={"url": u1}, headers=ADMIN)
+        assert status == 201
+        status, body, headers = await call("POST", url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 1})
+        assert status == 200 and headers["X-Rollout-Replica"] == "replica-1"
+
+
+async def test_requests_on_a_replica_that_hangs_run_elsewhere_and_a_removed_ones_gauges_stay_gone():
+    fast = SupervisionConfig(interval_s=0.2, health_timeout_s=0.5, restart_after_failures=1000)
+    async with fakes(2) as (servers, urls), router(urls, fast, request_timeout_s=120) as (url, app, rs):
+        core = app[keys.CORE]
+        servers[1].hang()
+        started = time.monotonic()
+        answers = await asyncio.gather(*(call("POST", url + "/v1/completions", json={"prompt": [7, 8, i], "max_tokens": 1})
+                                         for i in range(8)))
+        took = time.monotonic() - started
+        assert [a[0] for a in answers] == [200] * 8, answers
+        assert {a[2]["X-Rollout-Replica"] for a in answers} == {"replica-0"}
+        assert len(servers[1].bodies) > 0  # some were sent there first, and ran again elsewhere
+        assert took < 10, took  # the supervisor's failed health check (0.5 s), not request_timeout_s
+        assert not core.replicas["replica-1"].healthy
+        # removed at once while requests hang there: they run elsewhere, its gauges do not come back
+        servers[0].delay_s = 0.3
+        for rid in core.replicas:
+            core.set_health(rid, True)
+        pending = [asyncio.ensure_future(call("POST", url + "/v1/completions",
+                                              json={"prompt": [9, 9, i], "max_tokens": 1, "session_id": f"s{i}"}))
+                   for i in range(6)]
+        await until(lambda: _sent_to(servers[1], 9), what="a request reached the hung replica")
+        status, _, _ = await call("DELETE", url + "/admin/replicas/replica-1", headers=ADMIN)
+        assert status == 200
+        answers = await asyncio.gather(*pending)
+        assert [a[0] for a in answers] == [200] * 6 and {a[2]["X-Rollout-Replica"] for a in answers} == {"replica-0"}
+        servers[1].resume()
+        status, text = await _metrics(url)
+        gone = [line for line in text.splitlines() if 'replica="replica-1"' in line and not line.startswith("#")
+                and line.split("{")[0] in ("rollout_router_in_flight", "rollout_router_prefix_cache_hit_rate",
+                                           "rollout_router_kv_cache_usage")]
+        assert status == 200 and gone == []
+        assert "replica-1" not in core.admission.ledger.requests_by_replica
+
+
+async def _sent_to(server: FakeVllm, first: int) -> bool:
+    return any(b["prompt"][0] == first for b in server.bodies) and server.in_flight > 0
+
+
+async def _metrics(url: str) -> tuple[int, str]:
+    async with aiohttp.ClientSession() as http:
+        async with http.get(url + "/metrics") as r:
+            return r.status, await r.text()
+
+
+# -- two routers sharing state -------------------------------------------------------------------
+
+async def test_two_routers_adding_at_once_give_distinct_ids_and_a_removal_through_either_is_everywhere(redis_url):
+    async with fakes(4) as (servers, (u0, u1, u2, u3)), \
+            router([u0, u1], redis_url=redis_url, prefix="fc2:") as (a, app_a, rs_a), \
+            router([u0, u1], redis_url=redis_url, prefix="fc2:") as (b, app_b, rs_b):
+        (sa, ba, _), (sb, bb, _) = await asyncio.gather(
+            call("POST", a + "/admin/replicas", json={"url": u2}, headers=ADMIN),
+            call("POST", b + "/admin/replicas", json={"url": u3}, headers=ADMIN))
+        assert (sa, sb) == (201, 201) and ba["replica"] != bb["replica"], (ba, bb)
+        want = {"replica-0": u0, "replica-1": u1, ba["replica"]: u2, bb["replica"]: u3}
+
+        async def both_see(fleet):
+            return await fleet_of(a) == fleet and await fleet_of(b) == fleet
+
+        await until(lambda: both_see(want), what=f"both routers list {want}")
+        # B removes the replica A added: A drops it and its replica set lets it go
+        status, body, _ = await call("DELETE", f"{b}/admin/replicas/{ba['replica']}", headers=ADMIN)
+        assert status == 200, body
+        del want[ba["replica"]]
+        await until(lambda: both_see(want), what="the removal reached A")
+        await until(lambda: _not_owned(rs_a, ba["replica"]), what="A's replica set let it go")
+        # and the last ones too: a fleet of none is shared, not undone by the other router
+        for rid in sorted(want):
+            owner = a if rs_a.owns(rid) else b
+            status, body, _ = await call("DELETE", f"{owner}/admin/replicas/{rid}", headers=ADMIN)
+            assert status == 200, body
+        await until(lambda: both_see({}), what="both routers have no replica")
+
+
+async def _not_owned(rs: ReplicaSet, rid: str) -> bool:
+    return not rs.owns(rid)
+
+
+async def test_a_drain_on_one_router_waits_for_the_requests_another_router_runs_there(redis_url):
+    async with fakes(2) as (servers, urls), \
+            router(urls, redis_url=redis_url, prefix="fc3:") as (a, app_a, _), \
+            router(urls, redis_url=redis_url, prefix="fc3:") as (b, app_b, _):
+        for s in servers:
+            s.delay_s = 2.0
+        finished: list[tuple[str, int, float]] = []
+
+        async def through_b(i: int) -> None:
+            status, _, headers = await call("POST", b + "/v1/completions", json={"prompt": [3, 4, i], "max_tokens": 1})
+            finished.append((headers.get("X-Rollout-Replica"), status, time.monotonic()))
+
+        pending = [asyncio.ensure_future(through_b(i)) for i in range(4)]
+        core_b = app_b[keys.CORE]
+        await until(lambda: _any_in_flight(core_b), what="B has requests in flight")
+        rid = max(core_b.replicas, key=core_b.in_flight)
+        status, body, _ = await call("DELETE", f"{a}/admin/replicas/{rid}?drain_s=30", headers=ADMIN)
+        answered = time.monotonic()
+        await asyncio.gather(*pending)
+        assert status == 200 and body["drained"] is True, body
+        there = [t for r, _, t in finished if r == rid]
+        assert there and max(there) <= answered, (finished, answered)  # drained only once B's were done
+        assert all(s == 200 for _, s, _ in finished), finished
+
+
+async def _any_in_flight(core) -> bool:
+    return any(core.in_flight(r) for r in core.replicas)
