@@ -174,9 +174,7 @@ async def test_after_redis_is_flushed_the_updater_keeps_its_own_versions_and_the
     what every router applied (the counter restarted at 1 and routers at epoch 25 ignored it)."""
     redis = RedisProcess(tmp_path).start()
     try:
-        a, b = Router(redis.url, "f7:"), Router(redis.url, "f7:")
-        await a.state.start(a.app, a.core)
-        await b.state.start(b.app, b.core)
+        a, b = await _started_pair(redis.url, "f7:")
         for version in (1, 2, 3):
             for rid in (R0, R1):
                 a.core.set_rotation(rid, "updating")
@@ -221,10 +219,7 @@ async def test_a_hold_whose_answer_was_lost_is_taken_back_on_every_router(tmp_pa
     from Redis, must see it back too (they kept it out of rotation with no update running)."""
     redis = RedisProcess(tmp_path).start()
     try:
-        a, b = Router(redis.url, "f8:", timeout_s=0.1), Router(redis.url, "f8:")
-        a.state.redis.breaker.reset_s = 0.2
-        await a.state.start(a.app, a.core)
-        await b.state.start(b.app, b.core)
+        a, b = await _started_pair(redis.url, "f8:", tight_a=True)
         a.core.set_rotation(R1, "updating")
         redis.stop()
         assert not await a.state.publish_versions(a.core)  # no answer within 0.1 s
@@ -245,9 +240,7 @@ async def test_a_hold_whose_answer_was_lost_is_taken_back_on_every_router(tmp_pa
 async def test_a_publication_sent_again_never_overwrites_a_newer_one_of_another_router(tmp_path):
     redis = RedisProcess(tmp_path).start()
     try:
-        a, b = Router(redis.url, "f9:"), Router(redis.url, "f9:")
-        await a.state.start(a.app, a.core)
-        await b.state.start(b.app, b.core)
+        a, b = await _started_pair(redis.url, "f9:")
         a.core.set_rotation(R0, "updating")
         a.state.versions.pending = True  # as after a publication whose answer was lost
         _update(b.core, R1, 7)
@@ -287,10 +280,7 @@ async def test_the_next_update_begins_from_where_the_last_one_ended_even_when_it
     the router taking it reads the newest snapshot before anything else."""
     redis = RedisProcess(tmp_path).start()
     try:
-        a, b = Router(redis.url, "f12:", timeout_s=0.1), Router(redis.url, "f12:")
-        a.state.redis.breaker.reset_s = 0.2
-        await a.state.start(a.app, a.core)
-        await b.state.start(b.app, b.core)
+        a, b = await _started_pair(redis.url, "f12:", tight_a=True)
         assert await a.state.acquire_update_lock("a:41", 60.0)
         a.core.set_rotation(R1, "updating")  # the update's hold, read by b
         assert await a.state.publish_versions(a.core)
@@ -330,3 +320,14 @@ async def test_a_router_that_stalls_past_its_heartbeat_during_the_wait_is_report
         assert await a.state.await_marked(timeout_s=a.state.peers.ttl_s + 0.5) == ["frozen"]
     finally:
         redis.close()
+
+
+async def _started_pair(url: str, prefix: str, tight_a: bool = False) -> tuple[Router, Router]:
+    """Two routers on one Redis, both joined. ``tight_a``: A's calls get 0.1 s and its breaker
+    a 0.2 s reset (it is the one a SIGSTOPped Redis leaves without an answer)."""
+    a, b = Router(url, prefix, timeout_s=0.1) if tight_a else Router(url, prefix), Router(url, prefix)
+    if tight_a:
+        a.state.redis.breaker.reset_s = 0.2
+    await a.state.start(a.app, a.core)
+    await b.state.start(b.app, b.core)
+    return a, b
