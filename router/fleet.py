@@ -35,6 +35,9 @@ FLEET = web.AppKey("fleet", object)
 """The ``replicas.replica_set.ReplicaSet`` behind the router (None: fixed endpoints only)."""
 ADDING = web.AppKey("adding", set)
 """Addresses (``replicas.addresses.resolve``) of the servers being added right now."""
+ADD_HOLD_S = 120.0
+"""With shared state, how long a server being added is held on every router at most (its probes
+take seconds; a router that dies while adding one frees it after this)."""
 
 
 class NoFleet(RouterError):
@@ -169,8 +172,9 @@ async def add_replica(request: web.Request) -> web.Response:
     """POST /admin/replicas ``{}`` (start one from the config) or ``{"url": "http://..."}`` (register).
 
     A URL is taken in its canonical spelling (``replicas.addresses``) and refused (400, ``url``)
-    when it reaches a server already a replica of this router, or one being added now, however
-    spelled (``localhost`` or ``127.0.0.1``, a trailing slash): one engine must not count twice."""
+    when it reaches a server already a replica of this router, or one being added now here or,
+    with shared state, through another router, however spelled (``localhost`` or ``127.0.0.1``,
+    a trailing slash): one engine must not count twice."""
     body = load_json_object(body_of(request)) if request.body_exists else {}
     url = body.get("url")
     if url is not None:
@@ -185,13 +189,25 @@ async def add_replica(request: web.Request) -> web.Response:
         raise BadRequest("this router fronts servers given by replicas.urls: it launches none; "
                          "register a running server with {\"url\": \"http://...\"}", param="url")
     claim = await _claim_address(request.app, url) if url is not None else None
+    shared, held, added = _shared(request.app), None, False
     try:
+        if claim is not None and shared is not None:  # and no other router is adding it now
+            addresses = sorted(f"{ip}:{port}{path}" for ip, port, path in claim)
+            try:
+                if not await shared.claim_server(addresses, ADD_HOLD_S):
+                    raise BadRequest(f"{echo(url)} is being added through another router", param="url")
+            except StateUnavailable as exc:
+                raise NoSharedState(f"cannot add a replica while redis is unreachable ({exc}); retry when it is back") from None
+            held = addresses  # ours to let go of (not another router's, when the claim failed)
         endpoint = await fleet.add(url, model=request.app[keys.POOL].model)
+        added = True
     except StartupError as exc:  # unreachable, or a block size or model the fleet does not share
         raise BadRequest(f"cannot add the replica: {exc}", param="url" if url is not None else "body") from exc
     finally:
         if claim is not None:
             request.app[ADDING].discard(claim)
+        if held is not None:
+            await shared.release_server(held, added)
     await request.app[FLEET].events.flush()  # the router follows it before answering
     return web.json_response({"replica": endpoint.replica_id, "url": endpoint.base_url}, status=201)
 

@@ -70,6 +70,14 @@ class MemoryState:
         """No other router adds replicas: ``floor`` (the replica set's own next index)."""
         return floor
 
+    async def claim_server(self, addresses: list[str], ttl_s: float) -> bool:
+        """No other router adds servers: True (this router's own check is the whole of it)."""
+        return True
+
+    async def release_server(self, addresses: list[str], added: bool) -> None:
+        """Nothing held."""
+        return None
+
     async def drained_everywhere(self, rid) -> bool:
         """No other router has requests anywhere: True."""
         return True

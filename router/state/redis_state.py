@@ -123,6 +123,21 @@ class RedisState:
         (``RegistrySync.claim_index``). Raises StateUnavailable."""
         return await self.registry.claim_index(floor, self.background_timeout_s)
 
+    async def claim_server(self, addresses: list[str], ttl_s: float) -> bool:
+        """Hold the socket addresses of a server being added (``ip:port/path``) on every router
+        for ``ttl_s``; False when another router is adding a server at one of them. Raises
+        StateUnavailable."""
+        return await self.registry.claim_addresses(addresses, ttl_s, self.background_timeout_s)
+
+    async def release_server(self, addresses: list[str], added: bool) -> None:
+        """Let go of :meth:`claim_server`'s hold: at once when the server was not added, else after
+        a few sync rounds (every router has it in its registry by then). Never raises (it expires)."""
+        try:
+            await self.registry.release_addresses(addresses, 4 * max(self.sync_interval_s, 0.25) if added else 0,
+                                                  self.background_timeout_s)
+        except StateUnavailable:
+            pass
+
     async def drained_everywhere(self, rid) -> bool:
         """Whether replica ``rid``, draining here, is idle on every other live router: each has
         applied this router's ``draining`` entry (no new work goes there from it) and, in its view

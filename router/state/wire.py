@@ -124,6 +124,14 @@ redis.call('SET', KEYS[2], n + 1)
 return n
 """
 
+CLAIM_ADDRESSES = """
+-- KEYS: one per socket address of a server being added; ARGV: owner, ttl ms.
+-- All or none: 1 when none was held (now all are, for ttl ms), else 0.
+for _, k in ipairs(KEYS) do if redis.call('EXISTS', k) == 1 then return 0 end end
+for _, k in ipairs(KEYS) do redis.call('SET', k, ARGV[1], 'PX', ARGV[2]) end
+return 1
+"""
+
 
 @dataclass(frozen=True)
 class Keys:
@@ -143,6 +151,10 @@ class Keys:
     def router(self, router_id: str) -> str:
         """``router:<id>``: that router's view."""
         return f"{self.prefix}router:{router_id}"
+
+    def adding(self, address: str) -> str:
+        """``adding:<ip>:<port>/<path>``: a server at that address is being added (``CLAIM_ADDRESSES``)."""
+        return f"{self.prefix}adding:{address}"
 
     def marked(self, router_id: str) -> str:
         """``marked:<id>``: the newest version epoch that router applied with its streams' spans marked."""

@@ -245,3 +245,24 @@ async def test_a_drain_on_one_router_waits_for_the_requests_another_router_runs_
 
 async def _any_in_flight(core) -> bool:
     return any(core.in_flight(r) for r in core.replicas)
+
+
+async def test_one_server_added_through_two_routers_at_once_is_one_replica(redis_url):
+    async with fakes(3) as (_, (u0, u1, u2)), \
+            router([u0, u1], redis_url=redis_url, prefix="fc4:") as (a, _, _), \
+            router([u0, u1], redis_url=redis_url, prefix="fc4:") as (b, _, _):
+        port = u2.rsplit(":", 1)[1]
+        answers = await asyncio.gather(
+            call("POST", a + "/admin/replicas", json={"url": f"http://localhost:{port}"}, headers=ADMIN),
+            call("POST", b + "/admin/replicas", json={"url": f"{u2}/"}, headers=ADMIN))
+        assert sorted(status for status, _, _ in answers) == [201, 400], answers
+        refused = next(body for status, body, _ in answers if status == 400)
+        assert refused["error"]["param"] == "url", refused
+        # and right after, before a sync round could carry it: the other router still refuses it
+        status, body, _ = await call("POST", b + "/admin/replicas", json={"url": u2}, headers=ADMIN)
+        assert status == 400 and body["error"]["param"] == "url", body
+
+        async def both_have_three():
+            return len(await fleet_of(a)) == 3 and len(await fleet_of(b)) == 3
+
+        await until(both_have_three, what="both routers list the one new replica")
