@@ -137,7 +137,7 @@ async def _scrape_loop(app: web.Application, interval_s: float, rounds: ScrapeRo
         healthy = [rid for rid, rec in core.replicas.items() if rec.healthy]
         results = await rounds.run(http, pool, core, metrics, started, wait_s=interval_s)
         for rid in healthy:
-            if rid in core.replicas and not core.replicas[rid].healthy and rid in pool.ids() and pool.get(rid).silent:
+            if rid in core.replicas and not core.replicas[rid].healthy and rid in pool and pool.get(rid).silent:
                 app[keys.LIFECYCLE].abandon(rid, f"replica {rid} stopped answering its metrics scrapes")
         for exc in results:
             if isinstance(exc, Exception) and repr(type(exc)) not in seen:

@@ -59,5 +59,8 @@ class ReplicaPool:
     def get(self, replica_id: ReplicaId) -> ReplicaState:
         return self._states[replica_id]
 
+    def __contains__(self, replica_id: object) -> bool:
+        return replica_id in self._states
+
     def states(self) -> Iterable[ReplicaState]:
         return self._states.values()

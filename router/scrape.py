@@ -49,7 +49,7 @@ async def scrape_once(http: aiohttp.ClientSession, state: ReplicaState, core: De
         core.set_health(rid, True)
         core.observe_load(rid, ReplicaLoad(m.kv_cache_usage, m.num_running, m.num_waiting, m.num_gpu_blocks,
                                            m.num_preemptions), started_at)
-        if rid in core.replicas:  # (one that left while its scrape was under way has no gauges)
+        if metrics.live(rid):  # (one that left while its scrape was under way has no gauges)
             metrics.kv_usage.labels(rid).set(m.kv_cache_usage)
     metrics.healthy.labels(rid).set(1 if rid in core.replicas and core.replicas[rid].healthy else 0)
 
