@@ -25,3 +25,14 @@ def test_an_unkeyed_replica_has_no_middleware_and_no_inherited_key():
     cmd = build_command(cfg, "/m", 8001)
     assert "--middleware" not in cmd and _flag(cmd, "--host") == cfg.host
     assert KEY_ENV not in build_env(cfg, 0, base={KEY_ENV: "inherited"})
+
+
+def test_a_replicas_temp_files_go_in_its_own_folder_and_the_compile_cache_stays_shared():
+    import tempfile
+
+    cfg = ReplicaSetConfig()
+    env = build_env(cfg, 0, base={}, rpc_dir="/tmp/rollout-router-rpc0-x")
+    assert env["TMPDIR"] == env["VLLM_RPC_BASE_PATH"] == "/tmp/rollout-router-rpc0-x"
+    assert env["TORCHINDUCTOR_CACHE_DIR"].startswith(tempfile.gettempdir() + "/torchinductor_")
+    assert build_env(cfg, 0, base={"TORCHINDUCTOR_CACHE_DIR": "/c"}, rpc_dir="/r")["TORCHINDUCTOR_CACHE_DIR"] == "/c"
+    assert "TMPDIR" not in build_env(cfg, 0, base={})

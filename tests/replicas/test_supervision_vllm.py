@@ -112,6 +112,7 @@ async def test_sigkilled_api_server_leaves_nothing_and_comes_back_at_a_new_url(w
     assert len(group_members(pgid)) >= 3  # API server, engine core, worker (and a resource tracker)
     rpc_dir = _environ(pgid)["VLLM_RPC_BASE_PATH"]  # vLLM's ZMQ ipc:// socket files live there
     assert any(stat.S_ISSOCK(os.stat(os.path.join(rpc_dir, f)).st_mode) for f in os.listdir(rpc_dir))
+    assert _environ(pgid)["TMPDIR"] == rpc_dir  # and its other temp files (the vllm_dist_* file store)
     os.kill(pgid, signal.SIGKILL)
     assert await _gone(pgid, GONE_WITHIN_S) == []
     events = await watched.next("restarted")
