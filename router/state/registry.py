@@ -16,6 +16,7 @@ import logging
 from typing import Any
 
 from cache_policy.types import ReplicaId
+from replicas.auth import headers_for
 from replicas.kv_events import KvEventSource
 from replicas.replica_set import ReplicaEndpoint
 from router.state.redis_client import GuardedRedis
@@ -27,9 +28,11 @@ FIELDS = ("replica_id", "base_url", "block_size", "num_gpu_blocks", "model", "sc
 
 
 def entry_of(endpoint: ReplicaEndpoint, state: str) -> dict[str, Any]:
-    """The registry entry of ``endpoint`` (no key, no seq): endpoint fields and ``state``."""
+    """The registry entry of ``endpoint`` (no key, no seq): endpoint fields, ``state``, and
+    ``keyed``: whether it needs a key (one launched by a router: only that router's process holds it)."""
     out = {f: getattr(endpoint, f) for f in FIELDS}
     out["kv_events"] = dataclasses.asdict(endpoint.kv_events) if endpoint.kv_events is not None else None
+    out["keyed"] = endpoint.api_key is not None
     out["state"] = state
     return out
 
@@ -63,6 +66,8 @@ class RegistrySync:
         self.known: dict[ReplicaId, dict[str, Any]] = {}
         """Entries as last synced (without ``seq``/``by``), per replica."""
         self.seq: dict[ReplicaId, int] = {}
+        self.unreachable: set[ReplicaId] = set()
+        """Replicas another router launched (keyed) that this one cannot send to (logged once)."""
 
     def forget(self) -> None:
         """Redis restarted empty: everything local is written again next round."""
@@ -144,6 +149,7 @@ class RegistrySync:
         here = {s.endpoint.replica_id: s.endpoint for s in pool.states()}
         state = entry["state"]
         if state == "removed":  # (the last one too: a fleet of none answers 503, not a replica it was told is gone)
+            self.unreachable.discard(rid)
             if rid in here:
                 on_replica_event(app, ReplicaEvent("removed", rid, here[rid], "removed by another router"))
             fleet = app.get(FLEET)
@@ -153,6 +159,12 @@ class RegistrySync:
         local = here.get(rid)
         if local is None and self.known.get(rid, {}).get("state", "removed") != "removed":
             return  # this router removed it since its last push: its 'removed' goes out next, not back in
+        if local is None and entry.get("keyed") and not headers_for(entry["base_url"]):
+            if rid not in self.unreachable:  # every request there would get its 401
+                self.unreachable.add(rid)
+                log.info("replica %s at %s was launched by another router and needs its key, which only that "
+                         "router's process holds: not routed from here", rid, entry["base_url"])
+            return
         endpoint = endpoint_of(entry, local.api_key if local is not None else None)
         if local is None or rid not in core.replicas:
             log.warning("replica %s at %s added by another router", rid, endpoint.base_url)

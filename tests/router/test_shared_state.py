@@ -169,8 +169,11 @@ async def test_a_replica_added_restarted_drained_and_removed_through_one_router_
     a, b = Router(redis_url, p), Router(redis_url, p)
     for r in (a, b):
         await r.state.sync_round()
-    r2 = ReplicaId("replica-2")
-    added = ReplicaEndpoint(r2, "http://127.0.0.1:3", 32, 100, "m", api_key="secret")
+    r2, r3 = ReplicaId("replica-2"), ReplicaId("replica-3")
+    added = ReplicaEndpoint(r2, "http://127.0.0.1:3", 32, 100, "m")  # a registered server: no key
+    # one A launched: its key is in A's process only, so B (another process) could not send to it
+    on_replica_event(a.app, ReplicaEvent("added", r3, ReplicaEndpoint(r3, "http://127.0.0.1:5", 32, 100, "m",
+                                                                      api_key="secret")))
     steps = [("added", added, "http://127.0.0.1:3", None),
              ("restarted", ReplicaEndpoint(r2, "http://127.0.0.1:4", 32, 100, "m"), "http://127.0.0.1:4", None),
              ("draining", None, "http://127.0.0.1:4", "draining")]
@@ -185,8 +188,8 @@ async def test_a_replica_added_restarted_drained_and_removed_through_one_router_
         assert b.core.versions.loaded[r2] == 5, kind
         assert r2 in b.core.replicas and b.app[keys.POOL].get(r2).endpoint.base_url == url, kind
         assert b.core.versions.rotation.get(r2) == rotation, kind
-    assert b.app[keys.POOL].get(r2).endpoint.api_key is None  # keys never travel through Redis
-    assert "secret" not in str(await a.state.redis.call(lambda c: c.hgetall(p + "replicas")))
+    assert r3 not in b.core.replicas and r3 in b.state.registry.unreachable  # not routed to from B
+    assert "secret" not in str(await a.state.redis.call(lambda c: c.hgetall(p + "replicas")))  # keys never travel
     on_replica_event(a.app, ReplicaEvent("removed", r2, a.app[keys.POOL].get(r2).endpoint))
     await a.state.sync_round()
     await b.state.sync_round()
