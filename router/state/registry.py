@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import time
 from typing import Any
 
 from cache_policy.types import ReplicaId
@@ -20,9 +21,14 @@ from replicas.auth import headers_for
 from replicas.kv_events import KvEventSource
 from replicas.replica_set import ReplicaEndpoint
 from router.state.redis_client import GuardedRedis
-from router.state.wire import CLAIM_ADDRESSES, CLAIM_REPLICA_INDEX, PUT_REPLICA, Keys
+from router.state.wire import CLAIM_ADDRESSES, CLAIM_REPLICA_INDEX, DROP_REPLICA, PUT_REPLICA, Keys
 
 log = logging.getLogger(__name__)
+
+REMOVED_KEPT_S = 3600.0
+"""How long a ``removed`` entry stays in the registry (every live router has read it long before);
+then the first router to see it that old deletes it, and every router forgets it: a fleet that
+changes for a week keeps no entry per replica it ever had."""
 
 FIELDS = ("replica_id", "base_url", "block_size", "num_gpu_blocks", "model", "scoring_cap", "kv_events")
 
@@ -82,7 +88,7 @@ class RegistrySync:
             if rid not in local and e["state"] != "removed":
                 changes[rid] = {**e, "state": "removed"}
         for rid, entry in changes.items():
-            body = json.dumps({**entry, "by": self.router_id})
+            body = json.dumps({**entry, "by": self.router_id, "at": round(time.time(), 3)})
             self.seq[rid] = int(await self.redis.call(lambda c: c.eval(
                 PUT_REPLICA, 2, self.keys.replicas, self.keys.replicas_seq, rid, body, self.keys.events),
                 timeout_s=timeout_s, background=True))
@@ -117,15 +123,21 @@ class RegistrySync:
     async def pull(self, app, timeout_s: float) -> int:
         """Carry entries other routers wrote since the last sync into this router. Raises StateUnavailable."""
         raw = await self.redis.call(lambda c: c.hgetall(self.keys.replicas), timeout_s=timeout_s, background=True)
-        applied = 0
+        applied, old = 0, []
+        for rid in [r for r, e in self.known.items() if e["state"] == "removed" and r not in raw]:
+            self.known.pop(rid)  # deleted from the registry (REMOVED_KEPT_S): forgotten here too
+            self.seq.pop(rid, None)
         for rid, text in raw.items():
             try:
                 entry = json.loads(text)
                 seq = int(entry.pop("seq"))
                 entry.pop("by", None)
+                at = float(entry.pop("at", None) or 0.0)
             except (ValueError, KeyError, TypeError) as exc:
                 log.warning("ignoring a malformed registry entry for %r: %r", rid, exc)
                 continue
+            if entry.get("state") == "removed" and 0 < at < time.time() - REMOVED_KEPT_S:
+                old.append((rid, text))
             rid = ReplicaId(rid)
             if seq <= self.seq.get(rid, 0):
                 continue
@@ -138,6 +150,9 @@ class RegistrySync:
                     continue
                 applied += 1
             self.known[rid] = entry
+        for rid, text in old:
+            await self.redis.call(lambda c: c.eval(DROP_REPLICA, 1, self.keys.replicas, rid, text),
+                                  timeout_s=timeout_s, background=True)
         return applied
 
     def _apply(self, app, rid: ReplicaId, entry: dict[str, Any]) -> None:

@@ -111,6 +111,12 @@ redis.call('PUBLISH', ARGV[3], 'replicas\\t' .. seq)
 return seq
 """
 
+DROP_REPLICA = """
+-- KEYS: replicas hash; ARGV: replica id, the entry's text as read. Deletes it only if unchanged.
+if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then return redis.call('HDEL', KEYS[1], ARGV[1]) end
+return 0
+"""
+
 CLAIM_REPLICA_INDEX = """
 -- KEYS: replicas hash, next-index key; ARGV: the caller's own next index.
 -- An index at least ARGV[1], above every 'replica-<n>' in the registry and every index claimed

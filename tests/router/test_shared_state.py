@@ -230,3 +230,30 @@ async def test_status_lists_live_routers_and_names_a_disagreement(redis_url):
         for task in loops:
             task.cancel()
         await asyncio.gather(*loops, return_exceptions=True)
+
+
+async def test_a_removed_replicas_entry_leaves_the_registry_and_every_router_once_it_is_old(redis_url, monkeypatch):
+    """A fleet that changes for a week must not keep an entry per replica it ever had, in Redis
+    or in any router (``registry.REMOVED_KEPT_S``)."""
+    from replicas.events import ReplicaEvent
+    from router.fleet import on_replica_event
+    from router.state import registry
+
+    p = prefix()
+    a, b = Router(redis_url, p), Router(redis_url, p)
+    r2 = ReplicaId("replica-2")
+    on_replica_event(a.app, ReplicaEvent("added", r2, ReplicaEndpoint(r2, "http://127.0.0.1:3", 32, 100, "m")))
+    for r in (a, b, a, b):
+        await r.state.sync_round()
+    on_replica_event(a.app, ReplicaEvent("removed", r2, a.app[keys.POOL].get(r2).endpoint))
+    await a.state.sync_round()
+    await b.state.sync_round()
+    assert r2 not in b.core.replicas and b.state.registry.known[r2]["state"] == "removed"
+    assert r2 in await a.state.redis.call(lambda c: c.hkeys(p + "replicas"))  # young: kept
+    monkeypatch.setattr(registry, "REMOVED_KEPT_S", 0.0)  # now old
+    for r in (b, a, b):
+        await r.state.sync_round()
+    assert r2 not in await a.state.redis.call(lambda c: c.hkeys(p + "replicas"))
+    for r in (a, b):
+        assert r2 not in r.state.registry.known and r2 not in r.state.registry.seq
+    assert sorted(await a.state.redis.call(lambda c: c.hkeys(p + "replicas"))) == [R0, R1]  # the others stay
