@@ -1,6 +1,6 @@
 """A stand-in vLLM OpenAI server on loopback (aiohttp, in the test process), for routers that run
 without vLLM: ``/health``, ``/metrics`` (the captured real page with its ``vllm:cache_config_info``
-block size and KV size replaced), ``/v1/models`` and non-streamed ``/v1/completions`` on token IDs.
+block size and KV size replaced), ``/v1/models`` and ``/v1/completions`` on token IDs (streamed too).
 
 Its prefix cache is its own, written from vLLM's rule rather than the router's code: full blocks
 of ``block_size`` tokens are cached by prefix, and the prompt's last token is always recomputed,
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import re
 from pathlib import Path
 from typing import AsyncIterator
@@ -96,11 +97,21 @@ class FakeVllm:
             return web.json_response({"error": {"message": f"Token id {bad} is out of vocabulary",
                                                 "type": "BadRequestError", "param": None, "code": 400}}, status=400)
         cached = self._prefill(prompt)
-        return web.json_response({
-            "id": f"cmpl-{len(self.bodies)}", "object": "text_completion", "model": body["model"],
-            "choices": [{"index": 0, "text": " ok", "finish_reason": "length", "logprobs": None}],
-            "usage": {"prompt_tokens": len(prompt), "completion_tokens": 1, "total_tokens": len(prompt) + 1,
-                      "prompt_tokens_details": {"cached_tokens": cached}}})
+        usage = {"prompt_tokens": len(prompt), "completion_tokens": 1, "total_tokens": len(prompt) + 1,
+                 "prompt_tokens_details": {"cached_tokens": cached}}
+        head = {"id": f"cmpl-{len(self.bodies)}", "object": "text_completion", "model": body["model"]}
+        if body.get("stream"):  # one token, then the usage chunk and [DONE], as vLLM streams them
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            chunks = [{**head, "choices": [{"index": 0, "text": " ok", "finish_reason": "length", "logprobs": None}]},
+                      {**head, "choices": [], "usage": usage}]
+            for chunk in chunks:
+                await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+            return resp
+        return web.json_response({**head, "usage": usage,
+                                  "choices": [{"index": 0, "text": " ok", "finish_reason": "length", "logprobs": None}]})
 
 
 @contextlib.asynccontextmanager

@@ -145,11 +145,16 @@ async def test_requests_on_a_replica_that_hangs_run_elsewhere_and_a_removed_ones
         core = app[keys.CORE]
         servers[1].hang()
         started = time.monotonic()
-        answers = await asyncio.gather(*(call("POST", url + "/v1/completions", json={"prompt": [7, 8, i], "max_tokens": 1})
-                                         for i in range(8)))
+        answers, streams = await asyncio.gather(
+            asyncio.gather(*(call("POST", url + "/v1/completions", json={"prompt": [7, 8, i], "max_tokens": 1})
+                             for i in range(8))),
+            asyncio.gather(*(_stream(url, [7, 9, i]) for i in range(4))))
         took = time.monotonic() - started
         assert [a[0] for a in answers] == [200] * 8, answers
         assert {a[2]["X-Rollout-Replica"] for a in answers} == {"replica-0"}
+        # streams too: none had sent a byte, so each runs whole on the replica that answers
+        assert [s[0] for s in streams] == [200] * 4 and {s[1] for s in streams} == {"replica-0"}, streams
+        assert all(s[2].endswith("data: [DONE]\n\n") and '" ok"' in s[2] for s in streams), streams
         assert len(servers[1].bodies) > 0  # some were sent there first, and ran again elsewhere
         assert took < 10, took  # the supervisor's failed health check (0.5 s), not request_timeout_s
         assert not core.replicas["replica-1"].healthy
@@ -172,6 +177,13 @@ async def test_requests_on_a_replica_that_hangs_run_elsewhere_and_a_removed_ones
                                            "rollout_router_kv_cache_usage")]
         assert status == 200 and gone == []
         assert "replica-1" not in core.admission.ledger.requests_by_replica
+
+
+async def _stream(url: str, prompt: list[int]) -> tuple[int, str | None, str]:
+    """A streamed completion: ``(status, replica, the whole event stream)``."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
+        async with http.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 1, "stream": True}) as r:
+            return r.status, r.headers.get("X-Rollout-Replica"), (await r.read()).decode()
 
 
 async def _sent_to(server: FakeVllm, first: int) -> bool:
