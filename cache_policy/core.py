@@ -32,7 +32,7 @@ from typing import Literal
 import msgspec
 
 from cache_policy import sharing
-from cache_policy.admission import blocks_needed
+from cache_policy.admission import blocks_needed, fits
 from cache_policy.affinity import PrefixAffinityPolicy
 from cache_policy.prefix_index import PrefixIndex
 from cache_policy.admission_queue import AdmissionRequest
@@ -140,6 +140,10 @@ class Job:
     admission: Admission | None = None
     queued: AdmissionRequest | None = None
     undo_pins: dict[str, ReplicaId | None] = field(default_factory=dict)
+    move_to: ReplicaId | None = None
+    """A replica that joined with room while the job waited in another's queue
+    (``DecisionCore._offer_joined``): its next placement considers that replica alone, if it
+    is still eligible then."""
     incarnation: int = 0
     """Its replica's incarnation when it was placed (``ReplicaRecord.incarnation``): a placement
     undone after that replica restarted, or left and came back under its id, is not taken out of
@@ -193,6 +197,9 @@ class DecisionCore:
         self._ledger_changed, self._queue_changed = self.admission.ledger.changed, self.admission.queue.changed
         self._queued = self.admission.queue.requests_by_replica  # a live Counter, read-only here
         self._block_size: int | None = None
+        self._joined: set[ReplicaId] = set()
+        """Replicas that came into service (joined, healthy again, back in rotation) and are
+        offered the queued work they could start (:meth:`_offer_joined`)."""
         self._incarnations = itertools.count(1)
         """Numbers each replica's joining and each restart (``ReplicaRecord.incarnation``)."""
 
@@ -212,6 +219,7 @@ class DecisionCore:
         self.versions.set_loaded(rid, self.versions.initial if version is None else version)
         self.admission.queue.replicas = len(self.replicas)
         self.policy.on_replicas_changed(list(self.replicas))
+        self._joined.add(rid)
 
     def remove_replica(self, rid: ReplicaId, now: float) -> None:
         """``rid`` left: its pins, index entries and versions go; jobs queued for it come back
@@ -316,6 +324,8 @@ class DecisionCore:
         now = self._in_service(rid)
         if now != was:
             self.policy.on_service(rid, now)
+            if now:
+                self._joined.add(rid)
 
     def adopt_pin(self, kind: str, key: str | None, rid: ReplicaId | None,
                   start_version: int | None = None, now: float | None = None) -> None:
@@ -454,6 +464,9 @@ class DecisionCore:
         self.registry.advance(now)
         self._settle_version(job)
         candidates = self._candidates(job)
+        target, job.move_to = job.move_to, None
+        if only is None and target is not None and any(v.replica_id == target and v.healthy for v in candidates):
+            only = target  # it was moved out of a queue to a replica that joined with room
         if only is not None:
             candidates = [v for v in candidates if v.replica_id == only]
         decision = self.policy.select(job.view, candidates)
@@ -521,6 +534,8 @@ class DecisionCore:
         (its scrape rounds pump) lets go of what expired."""
         self.registry.advance(now)
         self._sweep(now)
+        if self._joined:
+            self._offer_joined(now)
         if not self._jobs and not self._outbox:  # nothing queued (most calls): the amortized sweep alone
             if self._unheld and self.admission.unpark_due(now):
                 self._settle_holds()  # the sweep reads parked prefixes, which a hold may touch
@@ -893,12 +908,66 @@ class DecisionCore:
     def _replica_gone(self, job: Job, rid: ReplicaId) -> Admission:
         """``job``, placed on ``rid`` and not sent, loses it (it left): unrouted, to be placed
         again elsewhere (``replica_gone``)."""
+        job.tried.append(rid)
+        return self._unplace(job, rid, f"replica {rid} left rotation")
+
+    def _unplace(self, job: Job, rid: ReplicaId, reason: str) -> Admission:
+        """``job``, placed on ``rid`` and neither admitted nor sent, is unrouted (its pins and index
+        entries undone): the caller places it again (verdict ``replica_gone``)."""
         self.policy.on_finished(job.view, rid)
         self._undo(job)
-        job.tried.append(rid)
         job.decision = None
-        job.admission = Admission("replica_gone", f"replica {rid} left rotation")
+        job.admission = Admission("replica_gone", reason)
         return job.admission
+
+    def _offer_joined(self, now: float) -> None:
+        """Queued work moves to a replica that came into service with room (:attr:`_joined`).
+
+        Without this a replica added while requests queue (the moment one is added to relieve
+        a queue) got none of them: a queued request stays on the replica it was placed on, and
+        only requests placed after the join could go there. A request moves when moving loses
+        nothing (``cache_policy.move_rule``'s cost: no prefix cached where it waits, its
+        ``matched_blocks`` 0), it is no GRPO group's (its group's prompt is shared where it
+        waits) and it may run on the replica (version, not tried); in service order, while it
+        fits the replica's watermark (``admission.fits``, counting every request moved before it
+        at its full peak, the parked guard kept) and the replica queues nothing of its own. A
+        moved job comes back from :meth:`pump` as ``replica_gone`` with :attr:`Job.move_to` set:
+        the caller places it again as it places any job (shared pins claimed), and :meth:`place`
+        chooses that replica. A replica of unknown size waits for the scrape that gives it.
+
+        The offer stands while work waits elsewhere and none for the replica itself: what did
+        not fit at the join moves as its first requests end there (each :meth:`pump`), and it
+        ends once the replica queues work of its own or nothing waits (then placement alone
+        spreads new work, as ``cache_policy.sent`` does)."""
+        for rid in list(self._joined):
+            if not self._in_service(rid) or not self._jobs:
+                self._joined.discard(rid)
+                continue
+            raw = self._view(rid)
+            if raw.num_gpu_blocks <= 0:
+                continue  # its size comes with its first scrape (the scrape loop pumps after it)
+            if self._queued.get(rid):  # work queues for it too: it is as busy as the rest
+                self._joined.discard(rid)
+                continue
+            view = project(raw, self.admission.ledger, self.registry)
+            guard = self.admission.parked_guard(raw, self.free_queue.freed(rid))
+            pending, moving = 0, []
+            for request in self.admission.queue.waiting():
+                job = self._jobs.get(request.request_id)
+                if (job is None or request.replica_id == rid or request.group_id is not None
+                        or job.decision is None or job.decision.matched_blocks or rid in job.tried
+                        or rid in self.versions.excluded(job.choice)):
+                    continue
+                if not fits(view, pending, request.holds, self.cfg, guard)[0]:
+                    break
+                pending += request.holds
+                moving.append(request)
+            for request in moving:
+                self.admission.queue.remove(request)
+                job = self._jobs.pop(request.request_id)
+                job.queued, job.move_to = None, rid
+                self._outbox.append((job, self._unplace(job, request.replica_id,
+                                                        f"replica {rid} joined with room: moved there")))
 
     def _sweep(self, now: float) -> None:
         """Expire idle key records, at most once per second of ``now``."""

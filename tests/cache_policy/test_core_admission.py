@@ -624,3 +624,80 @@ def test_a_removed_replica_leaves_no_ledger_entry_once_its_last_ticket_is_releas
     ledger.check_integrity()
     assert dict(ledger.requests_by_replica) == {stays: 1} and ledger.committed(gone) == 0
     assert gone not in ledger.scraped_at and ledger.unseen(gone) == 0
+
+
+def _queued_behind_a_full_replica(core, clock):
+    """A holds 80 of 100 blocks; four requests of 10 blocks queue there: a new prompt, a new
+    session's first turn, a prompt extending the running one's (cached on A) and a GRPO member."""
+    held, _ = ask(core, clock, 80)
+    plain, a1 = ask(core, clock, 10)
+    session, a2 = ask(core, clock, 10, session="s-new")
+    cached, a3 = ask(core, clock, 90, prompt=tokens(90, held.spec.token_ids[:32 * 80]))
+    member, a4 = ask(core, clock, 10, group="g")
+    assert [a.verdict for a in (a1, a2, a3, a4)] == ["queue"] * 4
+    assert cached.decision.matched_blocks == 80 and plain.decision.matched_blocks == 0
+    return held, plain, session, cached, member
+
+
+@pytest.mark.parametrize("blocks, moved", [(100, 2), (20, 1)])
+def test_a_replica_that_joins_takes_queued_work_that_loses_nothing_by_moving(fake_clock, blocks, moved):
+    # before: a replica added while requests queued got none of them; they waited on the full one
+    core = make(queue_timeout_s=30.0)
+    held, plain, session, cached, member = _queued_behind_a_full_replica(core, fake_clock)
+    b = ReplicaId("replica-1")
+    core.add_replica(b, block_size=32, num_gpu_blocks=blocks)
+    back = core.pump(fake_clock.now())
+    # in service order while they fit b's watermark (0.9 * 20 = 18 blocks: the first alone, as
+    # an idle replica always admits one); the cached prompt and the group member stay on A
+    assert [j for j, _ in back] == [plain, session][:moved]
+    for job, adm in back:
+        assert adm.verdict == "replica_gone" and job.move_to == b and job.decision is None and job.tried == []
+        assert core.place(job, fake_clock.now()).replica_id == b
+        assert core.admit(job, fake_clock.now()).verdict == "admit"
+    assert {r.request_id for r in core.admission.queue.waiting()} >= {str(cached.id), str(member.id)}
+    assert core.pump(fake_clock.now()) == []  # nothing more fits while they run
+    if moved == 1:  # the session's turn moves once the first request ends there
+        core.finish(plain, "ok", fake_clock.now())
+        [(job, adm)] = core.pump(fake_clock.now())
+        assert job is session and adm.verdict == "replica_gone" and job.move_to == b
+        assert core.place(job, fake_clock.now()).replica_id == b and core.admit(job, fake_clock.now()).verdict == "admit"
+    assert core.registry.get("session", "s-new").replica == b  # its pin follows it
+    assert core.queue_length() == 2 and core.pump(fake_clock.now()) == []
+    core.check_integrity()
+
+
+def test_the_offer_ends_once_the_joined_replica_queues_work_of_its_own(fake_clock):
+    core = make(queue_timeout_s=30.0)
+    b = ReplicaId("replica-1")
+    _queued_behind_a_full_replica(core, fake_clock)
+    core.add_replica(b, block_size=32, num_gpu_blocks=20)
+    [(first, _)] = core.pump(fake_clock.now())
+    core.place(first, fake_clock.now())
+    core.admit(first, fake_clock.now())
+    own = core.open(RequestSpec(tokens(10)), fake_clock.now())
+    assert core.place(own, fake_clock.now(), only=b) is not None and core.admit(own, fake_clock.now()).verdict == "queue"
+    core.finish(first, "ok", fake_clock.now())
+    assert [j for j, adm in core.pump(fake_clock.now())] == [own]  # b's own queued request, not A's
+    assert b not in core._joined
+
+
+def test_a_joining_replica_of_unknown_size_is_offered_work_after_its_first_scrape(fake_clock):
+    core = make(queue_timeout_s=30.0)
+    _, plain, session, _, _ = _queued_behind_a_full_replica(core, fake_clock)
+    b = ReplicaId("replica-1")
+    core.add_replica(b, block_size=32)
+    assert core.pump(fake_clock.now()) == []  # no size known: it could be sent everything
+    core.observe_load(b, ReplicaLoad(num_gpu_blocks=100), fake_clock.now())
+    assert [j for j, _ in core.pump(fake_clock.now())] == [plain, session]
+
+
+def test_a_replica_back_in_service_takes_queued_work(fake_clock):
+    # healthy again, or back in rotation after a weight update: the same offer as a new replica
+    core = make(queue_timeout_s=30.0)
+    b = ReplicaId("replica-1")
+    core.add_replica(b, block_size=32, num_gpu_blocks=100)
+    core.set_health(b, False)
+    assert core.pump(fake_clock.now()) == []
+    _, plain, session, _, _ = _queued_behind_a_full_replica(core, fake_clock)
+    core.set_health(b, True)
+    assert [j for j, _ in core.pump(fake_clock.now())] == [plain, session]
