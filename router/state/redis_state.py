@@ -237,6 +237,14 @@ class RedisState:
         self.app = app
         self.versions.seed = core.versions_snapshot()
         await self.sync_round()
+        if self.registry.conflicts:
+            from replicas.config import StartupError
+
+            clash = "; ".join(f"{rid} is {url} on router {by}" for rid, (by, url) in sorted(self.registry.conflicts.items()))
+            raise StartupError(f"the shared registry at {self.redis.url} (prefix {self.keys.prefix!r}) gives this "
+                               f"router's replica ids to other servers: {clash}. Routers sharing one Redis prefix must "
+                               "list the same replicas.urls in the same order, and only one of them may launch replicas "
+                               "(or give this fleet its own router.redis_prefix)")
         if not self.versions.confirmed:
             if self.redis.available:
                 log.info("redis %s holds no versions yet; waiting for a router to publish", self.redis.url)
@@ -288,6 +296,7 @@ class RedisState:
                 await self.versions.restore(core, bool(others))
             elif int(epoch) > self.versions.applied:
                 await self.versions.fetch(core)
+            self.registry.alive = set(others)
             if await self.registry.pull(self.app, t):
                 self.versions.reapply(core)
             await self.registry.push(self.app, t)

@@ -74,6 +74,11 @@ class RegistrySync:
         self.seq: dict[ReplicaId, int] = {}
         self.unreachable: set[ReplicaId] = set()
         """Replicas another router launched (keyed) that this one cannot send to (logged once)."""
+        self.alive: set[str] = set()
+        """The other routers alive at the last heartbeat (``PeerSync.others``; the caller sets it)."""
+        self.conflicts: dict[ReplicaId, tuple[str, str]] = {}
+        """Replicas of this router's own set that a live router registered at another address:
+        ``(that router, its URL)`` (:meth:`_conflict`)."""
 
     def forget(self) -> None:
         """Redis restarted empty: everything local is written again next round."""
@@ -124,6 +129,10 @@ class RegistrySync:
         """Carry entries other routers wrote since the last sync into this router. Raises StateUnavailable."""
         raw = await self.redis.call(lambda c: c.hgetall(self.keys.replicas), timeout_s=timeout_s, background=True)
         applied, old = 0, []
+        for rid, (by, _) in list(self.conflicts.items()):
+            if by not in self.alive:  # the router that held the id is gone: this router's entry goes in
+                del self.conflicts[rid]
+                self.known.pop(rid, None)
         for rid in [r for r, e in self.known.items() if e["state"] == "removed" and r not in raw]:
             self.known.pop(rid)  # deleted from the registry (REMOVED_KEPT_S): forgotten here too
             self.seq.pop(rid, None)
@@ -131,7 +140,7 @@ class RegistrySync:
             try:
                 entry = json.loads(text)
                 seq = int(entry.pop("seq"))
-                entry.pop("by", None)
+                by = str(entry.pop("by", None) or "")
                 at = float(entry.pop("at", None) or 0.0)
             except (ValueError, KeyError, TypeError) as exc:
                 log.warning("ignoring a malformed registry entry for %r: %r", rid, exc)
@@ -144,7 +153,8 @@ class RegistrySync:
             self.seq[rid] = seq
             if self.known.get(rid) != entry:
                 try:
-                    self._apply(app, rid, entry)
+                    if not self._apply(app, rid, entry, by):
+                        continue
                 except (ValueError, KeyError, TypeError) as exc:
                     log.warning("could not follow registry entry %s: %r", rid, exc)
                     continue
@@ -155,7 +165,9 @@ class RegistrySync:
                                   timeout_s=timeout_s, background=True)
         return applied
 
-    def _apply(self, app, rid: ReplicaId, entry: dict[str, Any]) -> None:
+    def _apply(self, app, rid: ReplicaId, entry: dict[str, Any], by: str = "") -> bool:
+        """Carry ``entry`` (written by router ``by``) into this router; False when it is not
+        followed (:meth:`_conflict`) and must not count as synced."""
         from replicas.events import ReplicaEvent
         from router import keys
         from router.fleet import FLEET, on_replica_event, stop_owned
@@ -163,15 +175,19 @@ class RegistrySync:
         pool, core = app[keys.POOL], app[keys.CORE]
         here = {s.endpoint.replica_id: s.endpoint for s in pool.states()}
         state = entry["state"]
+        fleet = app.get(FLEET)
         if state == "removed":  # (the last one too: a fleet of none answers 503, not a replica it was told is gone)
             self.unreachable.discard(rid)
             if rid in here:
                 on_replica_event(app, ReplicaEvent("removed", rid, here[rid], "removed by another router"))
-            fleet = app.get(FLEET)
             if fleet is not None and fleet.owns(rid):  # ours: another router removed it, we stop it
                 stop_owned(app, fleet, rid)
-            return
+            return True
         local = here.get(rid)
+        if (local is not None and local.base_url != entry["base_url"] and fleet is not None and fleet.owns(rid)
+                and by != self.router_id):
+            return self._conflict(app, rid, local.base_url, entry["base_url"], by)
+        self.conflicts.pop(rid, None)
         if local is None and self.known.get(rid, {}).get("state", "removed") != "removed":
             return  # this router removed it since its last push: its 'removed' goes out next, not back in
         if local is None and entry.get("keyed") and not headers_for(entry["base_url"]):
@@ -191,3 +207,28 @@ class RegistrySync:
             on_replica_event(app, ReplicaEvent("draining", rid, endpoint))
         elif state == "active" and core.versions.rotation.get(rid) == "draining":
             core.set_rotation(rid, None)
+        return True
+
+    def _conflict(self, app, rid: ReplicaId, here_url: str, there_url: str, by: str) -> bool:
+        """Router ``by`` registered ``rid``, a replica of this router's own set, at ``there_url``;
+        it is ``here_url`` here. Only the router whose set holds a replica moves it to a new
+        address (a launched replica's restart), so this is two routers giving one id to two
+        servers: the ids of ``replicas.urls`` and of launched replicas are positional, and the
+        routers were started with different lists (or each launched its own replicas). Following
+        it (as a restart, before) silently moved this router's replica to the other's server,
+        and pins, load shares and drains by id then meant two servers. ``by`` alive: not
+        followed, said once in the log, and ``rid`` stays in the registry as ``by`` wrote it
+        (this router writes nothing for it: no tug of war); ``RedisState.start`` refuses to
+        start on it. ``by`` gone (a router stopped with another list): this router's entry
+        replaces it at the next push. Returns False (the entry is not synced)."""
+        if by in self.alive:
+            if self.conflicts.get(rid) != (by, there_url):
+                log.error("replica %s is %s on this router but %s in the shared registry (router %s): routers "
+                          "sharing one Redis prefix must list the same replicas.urls in the same order, and only one "
+                          "of them may launch replicas; this router keeps %s", rid, here_url, there_url, by, here_url)
+            self.conflicts[rid] = (by, there_url)
+            self.known[rid] = local_view(app).get(rid) or self.known.get(rid, {})
+        else:
+            self.conflicts.pop(rid, None)
+            self.known.pop(rid, None)  # written again from this router's fleet at the next push
+        return False

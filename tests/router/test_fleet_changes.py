@@ -278,3 +278,53 @@ async def test_one_server_added_through_two_routers_at_once_is_one_replica(redis
             return len(await fleet_of(a)) == 3 and len(await fleet_of(b)) == 3
 
         await until(both_have_three, what="both routers list the one new replica")
+
+
+async def test_a_replica_added_while_requests_queue_takes_the_queued_ones():
+    # replica-0 (100 blocks of 16 tokens, watermark 85) runs one 1,000-token prompt and hangs;
+    # two more queue behind it. Before, a replica added now got none of them: they waited for
+    # replica-0 until queue_timeout_s and got 429s. Now the first moves there at once (an idle
+    # replica admits one) and the second once the first has ended there (two do not fit 85 blocks).
+    async with fakes(2, num_gpu_blocks=100) as (servers, (u0, u1)), router([u0], request_timeout_s=120) as (url, app, rs):
+        core = app[keys.CORE]
+        servers[0].hang()
+        prompts = [[(7 * i + j) % 500 + 1 for j in range(1000)] for i in range(3)]
+        first = asyncio.ensure_future(call("POST", url + "/v1/completions", json={"prompt": prompts[0], "max_tokens": 16}))
+        await until(lambda: _sent_to(servers[0], prompts[0][0]), what="the first request reached replica-0")
+        queued = [asyncio.ensure_future(call("POST", url + "/v1/completions", json={"prompt": p, "max_tokens": 16}))
+                  for p in prompts[1:]]
+
+        async def both_queued() -> bool:
+            return core.queue_length() == 2
+        await until(both_queued, what="two requests queued behind replica-0")
+        status, body, _ = await call("POST", url + "/admin/replicas", json={"url": u1}, headers=ADMIN)
+        assert status == 201 and body["replica"] == "replica-1"
+        answers = await asyncio.wait_for(asyncio.gather(*queued), timeout=10)  # replica-0 still hangs
+        assert [a[0] for a in answers] == [200, 200], answers
+        assert [a[2]["X-Rollout-Replica"] for a in answers] == ["replica-1", "replica-1"]
+        assert [b["prompt"][0] for b in servers[1].bodies] == [prompts[1][0], prompts[2][0]]  # in queue order
+        assert not first.done() and core.queue_length() == 0
+        servers[0].resume()
+        status, _, headers = await first
+        assert status == 200 and headers["X-Rollout-Replica"] == "replica-0"
+
+
+async def test_a_router_whose_replica_ids_mean_other_servers_on_the_shared_registry_does_not_start(redis_url):
+    # ids of replicas.urls are positional: B listing [u0, u2] while A (alive) lists [u0, u1] gave
+    # replica-1 two servers. Before, B silently followed A's entry as a restart (its u2 never used)
+    # or, writing first, moved A's replica-1 to u2. Now B refuses to start, naming both, and A's
+    # fleet stays as configured; once A is gone, a router with the other list takes the ids over.
+    from replicas.config import StartupError
+
+    async with fakes(3) as (_, (u0, u1, u2)):
+        async with router([u0, u1], redis_url=redis_url, prefix="fc5:") as (a, app_a, _):
+            with pytest.raises(StartupError, match=rf"replica-1 is {u1} on router .*same replicas.urls in the same order"):
+                async with router([u0, u2], redis_url=redis_url, prefix="fc5:"):
+                    pass
+            await asyncio.sleep(0.5)  # a few of A's sync rounds
+            assert await fleet_of(a) == {"replica-0": u0, "replica-1": u1}
+        async with router([u0, u2], redis_url=redis_url, prefix="fc5:") as (b, app_b, _), \
+                router([u0, u2], redis_url=redis_url, prefix="fc5:") as (c, app_c, _):
+            assert await fleet_of(b) == await fleet_of(c) == {"replica-0": u0, "replica-1": u2}
+            status, _, headers = await call("POST", c + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 1})
+            assert status == 200
