@@ -188,6 +188,8 @@ def with_router_param(payload: dict, endpoint: str, status: int | None = None) -
         param = router_param(error.get("param") or param_in_message(message) or "body", endpoint)
         if isinstance(param, str) and re.split(r"[.\[]", param, maxsplit=1)[0] not in _OWN_FIELDS:
             param = router_param(param_in_message(message) or MAIN_FIELD.get(endpoint, "body"), endpoint)
+        if param == "logprobs" and endpoint == "chat" and isinstance(message, str) and "sample logprobs" in message[:200]:
+            param = "top_logprobs"  # vLLM checks a chat's top_logprobs as its SamplingParams.logprobs
         error = {**error, "param": param}
         if status is not None:
             error.update(type=error_type(status), code=status)

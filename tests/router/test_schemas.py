@@ -106,6 +106,11 @@ def test_replica_errors_always_name_a_field():
     assert fixed("Input should be a valid dictionary", "0.ChatCompletionMessageFunctionToolCallParam") == "messages"
     assert fixed("bad 'seed' value", "0.SomeParam") == "seed"
     assert fixed("x", "body.messages.0.tool_calls") == "messages[0].tool_calls"
+    # vLLM checks a chat's top_logprobs as its own `logprobs` (a fresh user's report: named the bool)
+    too_many = "Requested sample logprobs of 100, which is greater than max allowed: 20 (parameter=logprobs, value=100)"
+    assert fixed(too_many, "logprobs") == "top_logprobs"
+    assert fixed("Input should be a valid boolean", "body.logprobs") == "logprobs"
+    assert with_router_param({"error": {"message": too_many, "param": "logprobs"}}, "completions")["error"]["param"] == "logprobs"
     answer = {"error": {"message": "Bad", "type": "BadRequestError", "param": "body.n", "code": 400}}
     assert with_router_param(answer, "completions", 400)["error"] == {
         "message": "Bad", "type": "invalid_request_error", "param": "n", "code": 400}
