@@ -210,6 +210,11 @@ async def _serve(cfg: AppConfig, sock: socket.socket) -> None:
     from router.shutdown import SHUTDOWN, drain
 
     signals = _Signals(asyncio.get_running_loop())
+    if cfg.replicas.urls:
+        print(f"rollout-router: checking {len(cfg.replicas.urls)} vLLM server(s) ...", flush=True)
+    else:
+        print(f"rollout-router: starting {cfg.replicas.num_replicas} vLLM replica(s) of {cfg.replicas.model} "
+              "(about a minute or two on CPU) ...", flush=True)
     async with ReplicaSet(cfg.replicas) as replica_set:
         signals.install()  # again: starting Ray may have replaced the handlers
         async with running_router(cfg, replica_set.endpoints, replica_set=replica_set, sock=sock) as (url, app):
@@ -225,7 +230,7 @@ async def _serve(cfg: AppConfig, sock: socket.socket) -> None:
             await asyncio.wait({draining, hurry}, return_when=asyncio.FIRST_COMPLETED)
             hurry.cancel()
             draining.cancel()
-        print("rollout-router: router stopped; stopping the replicas ...", flush=True)
+        print("rollout-router: router stopped" + ("" if cfg.replicas.urls else "; stopping the replicas ..."), flush=True)
     print("rollout-router: stopped", flush=True)
 
 

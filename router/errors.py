@@ -10,6 +10,7 @@ traceback, never aiohttp's bare page. Every error body the router writes itself 
 
 from __future__ import annotations
 
+import ast
 import json
 import logging
 import re
@@ -174,6 +175,36 @@ MAIN_FIELD = {"completions": "prompt", "chat": "messages", "score": "context"}
 _OWN_FIELDS = REQUEST_FIELDS | {"context", "responses", "body"}
 
 
+_VALIDATION_DUMP = re.compile(r"\d+ validation errors?:\s*\n")
+_DUMP_MAX_CHARS = 20_000
+"""A longer dump (a huge input quoted in it) is relayed as it is: not parsed."""
+
+
+def readable_validation(message: object, endpoint: str) -> object:
+    """vLLM's FastAPI validation error (``"1 validation error:\n  {'type': ..., 'loc': 'body.seed',
+    'msg': ..., 'input': 'x'}"``: pydantic's error dicts printed one per line) as one clause per
+    error naming our field, ``"seed: Input should be a valid integer, ... (got 'x')"`` (input cut
+    by :func:`echo`); any other message, or a dump that does not read as one, unchanged."""
+    if not isinstance(message, str) or len(message) > _DUMP_MAX_CHARS or not _VALIDATION_DUMP.match(message):
+        return message
+    clauses = []
+    for line in message.splitlines()[1:]:
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            item = ast.literal_eval(line)  # literals only; bounded by _DUMP_MAX_CHARS
+        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+            return message
+        if not isinstance(item, dict) or not isinstance(item.get("msg"), str):
+            return message
+        loc = item.get("loc")
+        loc = ".".join(map(str, loc)) if isinstance(loc, (tuple, list)) else str(loc)
+        got = f" (got {echo(item['input'])!r})" if "input" in item and not isinstance(item["input"], (dict, list)) else ""
+        clauses.append(f"{router_param(loc, endpoint)}: {item['msg']}{got}")
+    return "; ".join(clauses) or message
+
+
 def with_router_param(payload: dict, endpoint: str, status: int | None = None) -> dict:
     """A replica's JSON error answer with ``error.param`` renamed by :func:`router_param`; a null
     ``param`` becomes the field the message names (else ``"body"``): never null on a 4xx. A name
@@ -181,7 +212,8 @@ def with_router_param(payload: dict, endpoint: str, status: int | None = None) -
     ``"0.ChatCompletionMessageFunctionToolCallParam"`` for a malformed ``tool_calls``) becomes the
     field the message names, else the endpoint's input field (``messages``). With ``status``, the
     ``type`` and ``code`` are the router's own for it (:func:`error_type`; vLLM writes
-    ``"BadRequestError"`` or ``"Bad Request"``), as in every error body the router writes."""
+    ``"BadRequestError"`` or ``"Bad Request"``), as in every error body the router writes. A
+    pydantic dump of a message is made readable (:func:`readable_validation`)."""
     error = payload.get("error")
     if isinstance(error, dict):
         message = error.get("message")
@@ -190,7 +222,7 @@ def with_router_param(payload: dict, endpoint: str, status: int | None = None) -
             param = router_param(param_in_message(message) or MAIN_FIELD.get(endpoint, "body"), endpoint)
         if param == "logprobs" and endpoint == "chat" and isinstance(message, str) and "sample logprobs" in message[:200]:
             param = "top_logprobs"  # vLLM checks a chat's top_logprobs as its SamplingParams.logprobs
-        error = {**error, "param": param}
+        error = {**error, "param": param, "message": readable_validation(message, endpoint)}
         if status is not None:
             error.update(type=error_type(status), code=status)
         payload = {**payload, "error": error}

@@ -6,7 +6,7 @@ import pytest
 
 from router.auth import KeyBook, bearer_token, header_bytes, resolve_tenant, token_matches
 from router.body import MAX_JSON_DEPTH, check_tree, load_json_object
-from router.errors import BadRequest, RouterError, with_router_param
+from router.errors import readable_validation, BadRequest, RouterError, with_router_param
 from router.parse import Limits, parse_chat, parse_completion, parse_score
 from router.schemas import ChatRequest, error_param, openapi_document, validate_body
 from router.tokenize import template_kwargs
@@ -106,6 +106,15 @@ def test_replica_errors_always_name_a_field():
     assert fixed("Input should be a valid dictionary", "0.ChatCompletionMessageFunctionToolCallParam") == "messages"
     assert fixed("bad 'seed' value", "0.SomeParam") == "seed"
     assert fixed("x", "body.messages.0.tool_calls") == "messages[0].tool_calls"
+    # vLLM's validation dumps read as clauses naming our fields; anything else stays as it was
+    dump = ("2 validation errors:\n  {'type': 'float_parsing', 'loc': ('body', 'temperature'), 'msg': 'Input should be "
+            "a valid number', 'input': 'hot'}\n  {'type': 'missing', 'loc': ('body', 'messages', 0, 'role'), "
+            "'msg': 'Field required', 'input': {'content': 'x'}}")
+    assert readable_validation(dump, "chat") == ("temperature: Input should be a valid number (got 'hot'); "
+                                                 "messages[0].role: Field required")
+    for odd in ("1 validation error:\n  __import__('os')", "1 validation error:\n  {'msg': 1}", "plain text",
+                "1 validation error:\n  {'msg': 'x', 'input': '" + "y" * 30_000 + "'}"):
+        assert readable_validation(odd, "chat") == odd
     # vLLM checks a chat's top_logprobs as its own `logprobs` (a fresh user's report: named the bool)
     too_many = "Requested sample logprobs of 100, which is greater than max allowed: 20 (parameter=logprobs, value=100)"
     assert fixed(too_many, "logprobs") == "top_logprobs"
