@@ -20,7 +20,13 @@ class RayUsers:
         self._lock_loop: asyncio.AbstractEventLoop | None = None
 
     async def acquire(self, address: str | None) -> None:
-        import ray
+        try:
+            import ray
+        except ImportError as exc:  # a router-only install (`pip install .`): no Ray, no vLLM
+            from replicas.config import StartupError
+
+            raise StartupError("launching replicas needs Ray and vLLM: pip install '.[cpu]' or '.[gpu]' "
+                               "(or list existing servers in replicas.urls)") from exc
 
         async with self._loop_lock():
             if self.users == 0 and not ray.is_initialized():

@@ -114,3 +114,17 @@ async def test_servers_that_disagree_on_block_size_are_one_line_refused(tmp_path
     assert proc.returncode == 2
     assert err.decode() == (f"rollout-router: cannot start: replicas.urls[1] {b} has KV block size 32 but "
                             f"replica-0 ({a}) has 16: every replica behind one router must use the same block size\n")
+
+
+async def test_launching_replicas_without_ray_and_vllm_is_one_line_refused(tmp_path, no_vllm_env):
+    # a router-only install (`pip install .`, Ray and vLLM are the [cpu]/[gpu] extras' only) asked
+    # to launch replicas: one line saying what to install, not an import traceback
+    config = tmp_path / "launch.yaml"
+    config.write_text("replicas:\n  num_replicas: 1\n")
+    proc = await asyncio.create_subprocess_exec(
+        str(CLI), "serve", "--config", str(config), "--port", "0", env=no_vllm_env, cwd=REPO,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    _, err = await asyncio.wait_for(proc.communicate(), 120)
+    assert proc.returncode == 2, err.decode()[-2000:]
+    assert err.decode().endswith("rollout-router: cannot start: launching replicas needs Ray and vLLM: pip install "
+                                 "'.[cpu]' or '.[gpu]' (or list existing servers in replicas.urls)\n"), err.decode()[-2000:]
