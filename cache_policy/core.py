@@ -930,7 +930,9 @@ class DecisionCore:
         ``matched_blocks`` 0), it is no GRPO group's (its group's prompt is shared where it
         waits) and it may run on the replica (version, not tried); in service order, while it
         fits the replica's watermark (``admission.fits``, counting every request moved before it
-        at its full peak, the parked guard kept) and the replica queues nothing of its own. A
+        at its full peak, the parked guard kept), a new session only while the replica's session
+        share has room (``AdmissionState.sessions_full``, sessions moved in the same pass
+        counted), and the replica queues nothing of its own. A
         moved job comes back from :meth:`pump` as ``replica_gone`` with :attr:`Job.move_to` set:
         the caller places it again as it places any job (shared pins claimed), and :meth:`place`
         chooses that replica. A replica of unknown size waits for the scrape that gives it.
@@ -951,17 +953,21 @@ class DecisionCore:
                 continue
             view = project(raw, self.admission.ledger, self.registry)
             guard = self.admission.parked_guard(raw, self.free_queue.freed(rid))
-            pending, moving = 0, []
+            pending, moving, opening = 0, [], []
             for request in self.admission.queue.waiting():
                 job = self._jobs.get(request.request_id)
                 if (job is None or request.replica_id == rid or request.group_id is not None
                         or job.decision is None or job.decision.matched_blocks or rid in job.tried
                         or rid in self.versions.excluded(job.choice)):
                     continue
+                if request.opens_session and self.admission.sessions_full(raw, now, opening):
+                    continue  # the session share holds there as everywhere (it may start elsewhere)
                 if not fits(view, pending, request.holds, self.cfg, guard)[0]:
                     break
                 pending += request.holds
                 moving.append(request)
+                if request.opens_session:
+                    opening.append(request.holds)
             for request in moving:
                 self.admission.queue.remove(request)
                 job = self._jobs.pop(request.request_id)

@@ -5,6 +5,7 @@ No router import, no event loop: the core is driven the way ``router.lifecycle``
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -544,3 +545,87 @@ def test_events_for_a_replica_that_left_are_ignored():
     assert set(core.versions.describe()["replicas"]) == {R[0]} and 1 not in core.versions.history
     assert {rid for rid, _ in core.versions_snapshot().loaded} == {R[0]}
     core.check_integrity()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_replicas_joining_flapping_and_leaving_move_queued_work_and_lose_none(seed):
+    """A small fleet under a queue, with replicas added, removed, unhealthy and back, out of
+    rotation and back, at random; every job the core sends back (``replica_gone``: its replica
+    left, or one joined with room) is placed and admitted again as the router does. After every
+    step: ``check_integrity``; every job is exactly one of running, queued or done; a job moved to a
+    joined replica lands there while that replica is still in service. At the end the books balance."""
+    rng = random.Random(seed)
+    core = DecisionCore(PolicyConfig(queue_timeout_s=5.0, session_idle_s=10.0, max_pins=200, key_ttl_s=60.0))
+    live = [ReplicaId(f"r{i}") for i in range(2)]
+    for rid in live:
+        core.add_replica(rid, block_size=32, num_gpu_blocks=60)
+    joined = itertools.count(2)
+    now, running, queued, moved_to, moves = 0.0, set(), set(), {}, 0
+    sessions = {f"s{i}": list(range(i * 10_000, i * 10_000 + rng.randrange(40, 400))) for i in range(12)}
+
+    def place_and_admit(job) -> None:
+        target = job.move_to
+        decision = core.place(job, now)
+        if decision is None:
+            core.finish(job, "cancelled", now)
+            return
+        if target is not None and core._in_service(target):
+            moved_to[job.id] = (target, decision.replica_id)
+        adm = core.admit(job, now)
+        if adm.verdict == "admit":
+            running.add(job)
+        elif adm.verdict == "queue":
+            queued.add(job)
+        elif adm.verdict == "replica_gone":
+            place_and_admit(job)
+
+    for step in range(600):
+        now += rng.uniform(0.0, 0.3)
+        roll = rng.random()
+        if roll < 0.45:
+            sid = rng.choice([None, None, *sessions])
+            if sid is None:
+                spec = RequestSpec([rng.randrange(50_000) for _ in range(rng.randrange(40, 900))], new_tokens=16)
+            else:
+                sessions[sid] = sessions[sid] + [rng.randrange(50_000) for _ in range(rng.randrange(5, 80))]
+                spec = RequestSpec(sessions[sid], session_id=sid, new_tokens=16)
+            place_and_admit(core.open(spec, now))
+        elif roll < 0.5 and len(live) < 6:
+            rid = ReplicaId(f"r{next(joined)}")
+            core.add_replica(rid, block_size=32, num_gpu_blocks=rng.choice([0, 60, 200]))
+            live.append(rid)
+        elif roll < 0.53 and len(live) > 1:
+            rid = rng.choice(live)
+            core.remove_replica(rid, now)
+            live.remove(rid)
+        elif roll < 0.6:
+            rid = rng.choice(live)
+            core.set_health(rid, not core.replicas[rid].healthy)
+        elif roll < 0.65:
+            rid = rng.choice(live)
+            core.set_rotation(rid, None if rid in core.versions.rotation else "updating")
+        elif roll < 0.7:
+            rid = rng.choice(live)
+            core.observe_load(rid, ReplicaLoad(rng.uniform(0, 0.5), num_gpu_blocks=core.replicas[rid].num_gpu_blocks or 100), now)
+        for job in [j for j in running if rng.random() < 0.25]:
+            core.finish(job, rng.choice(["ok", "ok", "ok", "refused", "cancelled"]), now)
+            running.discard(job)
+        for job, adm in core.pump(now):
+            queued.discard(job)
+            if adm.verdict == "admit":
+                running.add(job)
+            elif adm.verdict == "replica_gone":
+                place_and_admit(job)
+        core.check_integrity()
+        assert not running & queued
+        assert all(j.queued is not None for j in queued) and all(j.ticket is not None and not j.done for j in running)
+        assert core.queue_length() == len(queued)
+        for target, landed in moved_to.values():
+            assert landed == target
+        moves += len(moved_to)
+        moved_to.clear()
+    for job in list(running) + list(queued):
+        core.finish(job, "cancelled", now)
+    core.check_integrity()
+    assert core.queue_length() == 0 and all(core.in_flight(r) == 0 for r in core.replicas)
+    assert moves > 0, "no queued job moved to a joined replica: the test exercised nothing"

@@ -701,3 +701,18 @@ def test_a_replica_back_in_service_takes_queued_work(fake_clock):
     _, plain, session, _, _ = _queued_behind_a_full_replica(core, fake_clock)
     core.set_health(b, True)
     assert [j for j, _ in core.pump(fake_clock.now())] == [plain, session]
+
+
+def test_a_joining_replica_takes_new_sessions_only_within_its_session_share(fake_clock):
+    # sessions end at 20 blocks here: b (100 blocks, share 0.75 * 0.85 * 100 = 63.75) starts three
+    # (40 held + one more 20 = 60 fits; 60 + 20 = 80 does not); a plain request behind them moves too
+    core = make(queue_timeout_s=30.0)
+    end_a_session_at_20(core, fake_clock)
+    ask(core, fake_clock, 82)
+    sessions = [ask(core, fake_clock, 5, session=f"new-{i}")[0] for i in range(4)]
+    plain, adm = ask(core, fake_clock, 5)
+    assert adm.verdict == "queue" and all(j.queued is not None for j in sessions)
+    b = ReplicaId("replica-1")
+    core.add_replica(b, block_size=32, num_gpu_blocks=100)
+    moved = [j for j, _ in core.pump(fake_clock.now())]
+    assert moved == [*sessions[:3], plain], [j.spec.session_id for j in moved]
