@@ -197,9 +197,10 @@ class DecisionCore:
         self._ledger_changed, self._queue_changed = self.admission.ledger.changed, self.admission.queue.changed
         self._queued = self.admission.queue.requests_by_replica  # a live Counter, read-only here
         self._block_size: int | None = None
-        self._joined: set[ReplicaId] = set()
+        self._joined: dict[ReplicaId, ReplicaView | None] = {}
         """Replicas that came into service (joined, healthy again, back in rotation) and are
-        offered the queued work they could start (:meth:`_offer_joined`)."""
+        offered the queued work they could start (:meth:`_offer_joined`), each with its view at
+        the last offer (the queue is scanned again only once that view changed)."""
         self._incarnations = itertools.count(1)
         """Numbers each replica's joining and each restart (``ReplicaRecord.incarnation``)."""
 
@@ -219,7 +220,7 @@ class DecisionCore:
         self.versions.set_loaded(rid, self.versions.initial if version is None else version)
         self.admission.queue.replicas = len(self.replicas)
         self.policy.on_replicas_changed(list(self.replicas))
-        self._joined.add(rid)
+        self._joined[rid] = None
 
     def remove_replica(self, rid: ReplicaId, now: float) -> None:
         """``rid`` left: its pins, index entries and versions go; jobs queued for it come back
@@ -325,7 +326,7 @@ class DecisionCore:
         if now != was:
             self.policy.on_service(rid, now)
             if now:
-                self._joined.add(rid)
+                self._joined[rid] = None
 
     def adopt_pin(self, kind: str, key: str | None, rid: ReplicaId | None,
                   start_version: int | None = None, now: float | None = None) -> None:
@@ -927,8 +928,8 @@ class DecisionCore:
         a queue) got none of them: a queued request stays on the replica it was placed on, and
         only requests placed after the join could go there. A request moves when moving loses
         nothing (``cache_policy.move_rule``'s cost: no prefix cached where it waits, its
-        ``matched_blocks`` 0), it is no GRPO group's (its group's prompt is shared where it
-        waits) and it may run on the replica (version, not tried); in service order, while it
+        ``matched_blocks`` 0; a GRPO group's queued members move together, see
+        :meth:`_move_queued`) and it may run on the replica (version, not tried); in service order, while it
         fits the replica's watermark (``admission.fits``, counting every request moved before it
         at its full peak, the parked guard kept), a new session only while the replica's session
         share has room (``AdmissionState.sessions_full``, sessions moved in the same pass
@@ -943,37 +944,74 @@ class DecisionCore:
         spreads new work, as ``cache_policy.sent`` does)."""
         for rid in list(self._joined):
             if not self._in_service(rid) or not self._jobs:
-                self._joined.discard(rid)
+                del self._joined[rid]
                 continue
             raw = self._view(rid)
-            if raw.num_gpu_blocks <= 0:
-                continue  # its size comes with its first scrape (the scrape loop pumps after it)
+            if raw.num_gpu_blocks <= 0 or raw is self._joined[rid]:
+                continue  # its size comes with its first scrape; nothing changed there since the last offer
             if self._queued.get(rid):  # work queues for it too: it is as busy as the rest
-                self._joined.discard(rid)
+                del self._joined[rid]
                 continue
+            self._joined[rid] = raw
             view = project(raw, self.admission.ledger, self.registry)
             guard = self.admission.parked_guard(raw, self.free_queue.freed(rid))
-            pending, moving, opening = 0, [], []
-            for request in self.admission.queue.waiting():
+            self._move_queued(rid, raw, now)
+
+    def _movable(self, job: Job | None, rid: ReplicaId) -> bool:
+        """Whether queued ``job`` may run on ``rid`` (placed, not tried there, its version allowed)."""
+        return (job is not None and job.decision is not None and job.decision.replica_id != rid
+                and rid not in job.tried and rid not in self.versions.excluded(job.choice))
+
+    def _move_queued(self, rid: ReplicaId, raw: ReplicaView, now: float) -> None:
+        """:meth:`_offer_joined` for one replica: pick the queued units that move, send them back.
+
+        A unit is one request, or every queued request of a GRPO group on one replica, moved
+        together and counted at the first member's peak plus the others' blocks beyond the
+        group's prompt (``AdmissionRequest.joined_holds``), when nothing of the group runs there
+        and the first member found nothing cached: the members' matches there are the first's
+        prediction, not KV the replica holds (a group moved member by member would split)."""
+        view = project(raw, self.admission.ledger, self.registry)
+        guard = self.admission.parked_guard(raw, self.free_queue.freed(rid))
+        waiting = self.admission.queue.waiting()
+        groups: dict[tuple[str, ReplicaId], list[AdmissionRequest]] = {}
+        for request in waiting:
+            if request.group_id is not None:
+                groups.setdefault((request.group_id, request.replica_id), []).append(request)
+        pending, moving, opening = 0, [], []
+        for request in waiting:
+            if request.group_id is None:
                 job = self._jobs.get(request.request_id)
-                if (job is None or request.replica_id == rid or request.group_id is not None
-                        or job.decision is None or job.decision.matched_blocks or rid in job.tried
-                        or rid in self.versions.excluded(job.choice)):
+                if not self._movable(job, rid) or job.decision.matched_blocks:
                     continue
-                if request.opens_session and self.admission.sessions_full(raw, now, opening):
-                    continue  # the session share holds there as everywhere (it may start elsewhere)
-                if not fits(view, pending, request.holds, self.cfg, guard)[0]:
-                    break
-                pending += request.holds
-                moving.append(request)
-                if request.opens_session:
-                    opening.append(request.holds)
-            for request in moving:
-                self.admission.queue.remove(request)
-                job = self._jobs.pop(request.request_id)
-                job.queued, job.move_to = None, rid
-                self._outbox.append((job, self._unplace(job, request.replica_id,
-                                                        f"replica {rid} joined with room: moved there")))
+                unit, holds = [request], request.holds
+            else:
+                unit = groups.pop((request.group_id, request.replica_id), None)
+                if unit is None:
+                    continue  # its group was judged at its first queued member
+                jobs = [self._jobs.get(r.request_id) for r in unit]
+                if not all(self._movable(j, rid) for j in jobs):
+                    continue
+                first = min(jobs, key=lambda j: j.id)
+                if first.decision.matched_blocks or self.admission.ledger.group_running(request.group_id,
+                                                                                         request.replica_id):
+                    continue
+                order = sorted(range(len(unit)), key=lambda i: jobs[i].id)  # the first member goes first
+                unit = [unit[i] for i in order]
+                holds = unit[0].holds + sum(r.holds if r.joined_holds is None else r.joined_holds for r in unit[1:])
+            if request.opens_session and self.admission.sessions_full(raw, now, opening):
+                continue  # the session share holds there as everywhere (it may start elsewhere)
+            if not fits(view, pending, holds, self.cfg, guard)[0]:
+                break
+            pending += holds
+            moving.extend(unit)
+            if request.opens_session:
+                opening.append(request.holds)
+        for request in moving:
+            self.admission.queue.remove(request)
+            job = self._jobs.pop(request.request_id)
+            job.queued, job.move_to = None, rid
+            self._outbox.append((job, self._unplace(job, request.replica_id,
+                                                    f"replica {rid} joined with room: moved there")))
 
     def _sweep(self, now: float) -> None:
         """Expire idle key records, at most once per second of ``now``."""

@@ -560,7 +560,7 @@ def test_replicas_joining_flapping_and_leaving_move_queued_work_and_lose_none(se
     for rid in live:
         core.add_replica(rid, block_size=32, num_gpu_blocks=60)
     joined = itertools.count(2)
-    now, running, queued, moved_to, moves = 0.0, set(), set(), {}, 0
+    now, running, queued, moved_to, moves = 0.0, {}, {}, {}, 0  # dicts: a deterministic order
     sessions = {f"s{i}": list(range(i * 10_000, i * 10_000 + rng.randrange(40, 400))) for i in range(12)}
 
     def place_and_admit(job) -> None:
@@ -573,9 +573,9 @@ def test_replicas_joining_flapping_and_leaving_move_queued_work_and_lose_none(se
             moved_to[job.id] = (target, decision.replica_id)
         adm = core.admit(job, now)
         if adm.verdict == "admit":
-            running.add(job)
+            running[job.id] = job
         elif adm.verdict == "queue":
-            queued.add(job)
+            queued[job.id] = job
         elif adm.verdict == "replica_gone":
             place_and_admit(job)
 
@@ -607,24 +607,25 @@ def test_replicas_joining_flapping_and_leaving_move_queued_work_and_lose_none(se
         elif roll < 0.7:
             rid = rng.choice(live)
             core.observe_load(rid, ReplicaLoad(rng.uniform(0, 0.5), num_gpu_blocks=core.replicas[rid].num_gpu_blocks or 100), now)
-        for job in [j for j in running if rng.random() < 0.25]:
+        for job in [j for j in running.values() if rng.random() < 0.25]:
             core.finish(job, rng.choice(["ok", "ok", "ok", "refused", "cancelled"]), now)
-            running.discard(job)
+            del running[job.id]
         for job, adm in core.pump(now):
-            queued.discard(job)
+            queued.pop(job.id, None)
             if adm.verdict == "admit":
-                running.add(job)
+                running[job.id] = job
             elif adm.verdict == "replica_gone":
                 place_and_admit(job)
         core.check_integrity()
-        assert not running & queued
-        assert all(j.queued is not None for j in queued) and all(j.ticket is not None and not j.done for j in running)
+        assert not running.keys() & queued.keys()
+        assert all(j.queued is not None for j in queued.values())
+        assert all(j.ticket is not None and not j.done for j in running.values())
         assert core.queue_length() == len(queued)
         for target, landed in moved_to.values():
             assert landed == target
         moves += len(moved_to)
         moved_to.clear()
-    for job in list(running) + list(queued):
+    for job in [*running.values(), *queued.values()]:
         core.finish(job, "cancelled", now)
     core.check_integrity()
     assert core.queue_length() == 0 and all(core.in_flight(r) == 0 for r in core.replicas)
