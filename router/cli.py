@@ -210,11 +210,12 @@ async def _serve(cfg: AppConfig, sock: socket.socket) -> None:
     from router.shutdown import SHUTDOWN, drain
 
     signals = _Signals(asyncio.get_running_loop())
+    # progress on stderr: stdout's first line stays the "serving ... at URL" banner scripts wait for
     if cfg.replicas.urls:
-        print(f"rollout-router: checking {len(cfg.replicas.urls)} vLLM server(s) ...", flush=True)
+        print(f"rollout-router: checking {len(cfg.replicas.urls)} vLLM server(s) ...", file=sys.stderr, flush=True)
     else:
         print(f"rollout-router: starting {cfg.replicas.num_replicas} vLLM replica(s) of {cfg.replicas.model} "
-              "(about a minute or two on CPU) ...", flush=True)
+              "(about a minute or two on CPU) ...", file=sys.stderr, flush=True)
     async with ReplicaSet(cfg.replicas) as replica_set:
         signals.install()  # again: starting Ray may have replaced the handlers
         async with running_router(cfg, replica_set.endpoints, replica_set=replica_set, sock=sock) as (url, app):

@@ -112,8 +112,11 @@ async def test_servers_that_disagree_on_block_size_are_one_line_refused(tmp_path
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
         _, err = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode == 2
-    assert err.decode() == (f"rollout-router: cannot start: replicas.urls[1] {b} has KV block size 32 but "
-                            f"replica-0 ({a}) has 16: every replica behind one router must use the same block size\n")
+    # a progress line, then the one line that says why (no traceback)
+    assert err.decode().splitlines() == [
+        "rollout-router: checking 2 vLLM server(s) ...",
+        f"rollout-router: cannot start: replicas.urls[1] {b} has KV block size 32 but replica-0 ({a}) has 16: every "
+        "replica behind one router must use the same block size"]
 
 
 async def test_launching_replicas_without_ray_and_vllm_is_one_line_refused(tmp_path, no_vllm_env):
