@@ -929,8 +929,8 @@ class DecisionCore:
         only requests placed after the join could go there. A request moves when moving loses
         nothing (``cache_policy.move_rule``'s cost: no prefix cached where it waits, its
         ``matched_blocks`` 0; a GRPO group's queued members move together, see
-        :meth:`_move_queued`) and it may run on the replica (version, not tried); in service order, while it
-        fits the replica's watermark (``admission.fits``, counting every request moved before it
+        :meth:`_move_queued`) and it may run on the replica (version, not tried); in service
+        order, while it fits the replica's watermark (``admission.fits``, counting every request moved before it
         at its full peak, the parked guard kept), a new session only while the replica's session
         share has room (``AdmissionState.sessions_full``, sessions moved in the same pass
         counted), and the replica queues nothing of its own. A
@@ -953,8 +953,6 @@ class DecisionCore:
                 del self._joined[rid]
                 continue
             self._joined[rid] = raw
-            view = project(raw, self.admission.ledger, self.registry)
-            guard = self.admission.parked_guard(raw, self.free_queue.freed(rid))
             self._move_queued(rid, raw, now)
 
     def _movable(self, job: Job | None, rid: ReplicaId) -> bool:

@@ -167,7 +167,9 @@ class RegistrySync:
 
     def _apply(self, app, rid: ReplicaId, entry: dict[str, Any], by: str = "") -> bool:
         """Carry ``entry`` (written by router ``by``) into this router; False when it is not
-        followed (:meth:`_conflict`) and must not count as synced."""
+        followed (a removal of ours not yet pushed, a keyed replica this router cannot reach, a
+        :meth:`_conflict`): it must not count as synced, since :meth:`push` writes back every known
+        entry this router does not hold as ``removed``."""
         from replicas.events import ReplicaEvent
         from router import keys
         from router.fleet import FLEET, on_replica_event, stop_owned
@@ -189,13 +191,13 @@ class RegistrySync:
             return self._conflict(app, rid, local.base_url, entry["base_url"], by)
         self.conflicts.pop(rid, None)
         if local is None and self.known.get(rid, {}).get("state", "removed") != "removed":
-            return  # this router removed it since its last push: its 'removed' goes out next, not back in
+            return False  # this router removed it since its last push: its 'removed' goes out next, not back in
         if local is None and entry.get("keyed") and not headers_for(entry["base_url"]):
             if rid not in self.unreachable:  # every request there would get its 401
                 self.unreachable.add(rid)
                 log.info("replica %s at %s was launched by another router and needs its key, which only that "
                          "router's process holds: not routed from here", rid, entry["base_url"])
-            return
+            return False  # not synced: recorded as known, the next push wrote it back 'removed' (its owner stopped it)
         endpoint = endpoint_of(entry, local.api_key if local is not None else None)
         if local is None or rid not in core.replicas:
             log.warning("replica %s at %s added by another router", rid, endpoint.base_url)

@@ -4,6 +4,8 @@ way ``router.app`` wires them, without HTTP (the HTTP paths are in test_ha_*.py)
 
 from __future__ import annotations
 
+import json
+
 import asyncio
 import itertools
 
@@ -189,6 +191,10 @@ async def test_a_replica_added_restarted_drained_and_removed_through_one_router_
         assert r2 in b.core.replicas and b.app[keys.POOL].get(r2).endpoint.base_url == url, kind
         assert b.core.versions.rotation.get(r2) == rotation, kind
     assert r3 not in b.core.replicas and r3 in b.state.registry.unreachable  # not routed to from B
+    # and not written back as removed (B does not hold it): A keeps its replica
+    assert json.loads((await a.state.redis.call(lambda c: c.hget(p + "replicas", r3))))["state"] == "active"
+    await a.state.sync_round()
+    assert r3 in a.core.replicas
     assert "secret" not in str(await a.state.redis.call(lambda c: c.hgetall(p + "replicas")))  # keys never travel
     on_replica_event(a.app, ReplicaEvent("removed", r2, a.app[keys.POOL].get(r2).endpoint))
     await a.state.sync_round()
