@@ -23,10 +23,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default=None, help="YAML config (sections router, replicas, policy)")
     p.add_argument("--num-replicas", type=int, default=None, help="override replicas.num_replicas")
     p.add_argument("--log-level", default="WARNING", help="DEBUG | INFO | WARNING | ERROR (default: WARNING)")
-    add_dataclass_flags(p, RouterConfig, skip=frozenset({"host", "port", "policy"}))
-    add_dataclass_flags(p, GrpoWorkload, "grpo-")
-    add_dataclass_flags(p, AgentWorkload, "agent-")
     p.add_argument("--out", default="results/demo.json", help="JSON results (a PNG plot goes beside it)")
+    add_dataclass_flags(p, GrpoWorkload, "grpo-")  # the demo's own sizes first, then the router's settings
+    add_dataclass_flags(p, AgentWorkload, "agent-")
+    add_dataclass_flags(p, RouterConfig, skip=frozenset({"host", "port", "policy"}))
     return p
 
 
