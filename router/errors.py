@@ -199,7 +199,10 @@ def readable_validation(message: object, endpoint: str) -> object:
         if not isinstance(item, dict) or not isinstance(item.get("msg"), str):
             return message
         loc = item.get("loc")
-        loc = ".".join(map(str, loc)) if isinstance(loc, (tuple, list)) else str(loc)
+        try:  # str() of an int past Python's digit limit raises (a hex literal parses without it)
+            loc = ".".join(map(str, loc)) if isinstance(loc, (tuple, list)) else str(loc)
+        except ValueError:
+            return message
         got = f" (got {echo(item['input'])!r})" if "input" in item and not isinstance(item["input"], (dict, list)) else ""
         clauses.append(f"{router_param(loc, endpoint)}: {item['msg']}{got}")
     return "; ".join(clauses) or message

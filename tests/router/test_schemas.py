@@ -113,7 +113,9 @@ def test_replica_errors_always_name_a_field():
     assert readable_validation(dump, "chat") == ("temperature: Input should be a valid number (got 'hot'); "
                                                  "messages[0].role: Field required")
     for odd in ("1 validation error:\n  __import__('os')", "1 validation error:\n  {'msg': 1}", "plain text",
-                "1 validation error:\n  {'msg': 'x', 'input': '" + "y" * 30_000 + "'}"):
+                "1 validation error:\n  {'msg': 'x', 'input': '" + "y" * 30_000 + "'}",
+                # a hex int of 16,000 digits: literal_eval takes it, str() of it raises (an attacker's 500)
+                "1 validation error:\n  {'type': 't', 'loc': ('body', 0x" + "f" * 4000 + "), 'msg': 'bad'}"):
         assert readable_validation(odd, "chat") == odd
     # vLLM checks a chat's top_logprobs as its own `logprobs` (a fresh user's report: named the bool)
     too_many = "Requested sample logprobs of 100, which is greater than max allowed: 20 (parameter=logprobs, value=100)"
