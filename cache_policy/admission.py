@@ -312,6 +312,10 @@ class AdmissionQueue:
         self._store.remove([request])
         return present
 
+    def take(self, requests: list[AdmissionRequest]) -> None:
+        """Remove ``requests`` (queued ones, by identity) in one pass over the queue."""
+        self._store.remove(requests)
+
     def drop_replica(self, replica_id: ReplicaId) -> list[AdmissionRequest]:
         """Remove and return the requests queued for ``replica_id`` (re-route them)."""
         gone = [r for r in self._store.in_order() if r.replica_id == replica_id]

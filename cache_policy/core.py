@@ -946,6 +946,7 @@ class DecisionCore:
         updates --ws-over-kv 2`` read prefilled/ideal 1.076-1.140 vs 1.104-1.181 before on seed 0
         but 1.108-1.172 vs 1.104-1.172 on seed 1, busiest/mean prefill 1.44-1.59 vs 1.25-1.31 there,
         and GRPO group p99 53-60 s vs 31-43 s on both: no gain to keep, and a longer group tail."""
+        queue: tuple[list[AdmissionRequest], dict[tuple[str, ReplicaId], list[AdmissionRequest]]] | None = None
         for rid in list(self._joined):
             if not self._in_service(rid) or not self._jobs:
                 del self._joined[rid]
@@ -957,29 +958,39 @@ class DecisionCore:
                 del self._joined[rid]
                 continue
             self._joined[rid] = raw
-            self._move_queued(rid, raw, now)
+            if queue is None:  # one read of the queue for every joined replica (a job moved since is gone from _jobs)
+                waiting = self.admission.queue.waiting()
+                groups: dict[tuple[str, ReplicaId], list[AdmissionRequest]] = {}
+                for request in waiting:
+                    if request.group_id is not None:
+                        groups.setdefault((request.group_id, request.replica_id), []).append(request)
+                queue = waiting, groups
+            if not self._move_queued(rid, raw, now, queue[0], dict(queue[1])):
+                del self._joined[rid]  # nothing waiting may ever move there: the offer ends
 
     def _movable(self, job: Job | None, rid: ReplicaId) -> bool:
         """Whether queued ``job`` may run on ``rid`` (placed, not tried there, its version allowed)."""
         return (job is not None and job.decision is not None and job.decision.replica_id != rid
-                and rid not in job.tried and rid not in self.versions.excluded(job.choice))
+                and rid not in job.tried and self.versions.allows(rid, job.choice))
 
-    def _move_queued(self, rid: ReplicaId, raw: ReplicaView, now: float) -> None:
+    def _move_queued(self, rid: ReplicaId, raw: ReplicaView, now: float, waiting: list[AdmissionRequest],
+                     groups: dict[tuple[str, ReplicaId], list[AdmissionRequest]]) -> bool:
         """:meth:`_offer_joined` for one replica: pick the queued units that move, send them back.
+        True when the scan stopped at a unit that may move but does not fit yet (the offer
+        stands: it may fit once work there ends); False when it went through the queue (what did
+        not move never will: not movable there, or a new session over the share, which waits for
+        a session to end as it would anywhere).
 
         A unit is one request, or every queued request of a GRPO group on one replica, moved
         together and counted at the first member's peak plus the others' blocks beyond the
         group's prompt (``AdmissionRequest.joined_holds``), when nothing of the group runs there
         and the first member found nothing cached: the members' matches there are the first's
-        prediction, not KV the replica holds (a group moved member by member would split)."""
+        prediction, not KV the replica holds (a group moved member by member would split).
+        ``waiting``: the queue in service order, ``groups``: its GRPO members by (group, replica),
+        both as read once per :meth:`pump` (this consumes ``groups``)."""
         view = project(raw, self.admission.ledger, self.registry)
         guard = self.admission.parked_guard(raw, self.free_queue.freed(rid))
-        waiting = self.admission.queue.waiting()
-        groups: dict[tuple[str, ReplicaId], list[AdmissionRequest]] = {}
-        for request in waiting:
-            if request.group_id is not None:
-                groups.setdefault((request.group_id, request.replica_id), []).append(request)
-        pending, moving, opening = 0, [], []
+        pending, moving, opening, blocked = 0, [], [], False
         for request in waiting:
             if request.group_id is None:
                 job = self._jobs.get(request.request_id)
@@ -1003,17 +1014,19 @@ class DecisionCore:
             if request.opens_session and self.admission.sessions_full(raw, now, opening):
                 continue  # the session share holds there as everywhere (it may start elsewhere)
             if not fits(view, pending, holds, self.cfg, guard)[0]:
+                blocked = True
                 break
             pending += holds
             moving.extend(unit)
             if request.opens_session:
                 opening.append(request.holds)
+        self.admission.queue.take(moving)
         for request in moving:
-            self.admission.queue.remove(request)
             job = self._jobs.pop(request.request_id)
             job.queued, job.move_to = None, rid
             self._outbox.append((job, self._unplace(job, request.replica_id,
                                                     f"replica {rid} joined with room: moved there")))
+        return blocked
 
     def _sweep(self, now: float) -> None:
         """Expire idle key records, at most once per second of ``now``."""

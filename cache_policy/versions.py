@@ -265,6 +265,14 @@ class VersionBook:
             out |= {r for r, v in self.loaded.items() if v != choice.version}
         return out
 
+    def allows(self, rid: ReplicaId, choice: SaltChoice) -> bool:
+        """Whether ``rid`` is not in :meth:`excluded` for ``choice``, without building that set
+        (``DecisionCore._move_queued`` asks it for every queued job)."""
+        if rid in self.rotation:
+            return False
+        return (not choice.pins_version or self._on_version.get(choice.version, 0) == len(self.loaded)
+                or rid not in self.loaded or self.loaded[rid] == choice.version)
+
     def updating(self) -> bool:
         """Whether some replica is out of rotation for an update in progress."""
         return any(reason == "updating" for reason in self.rotation.values())

@@ -183,6 +183,8 @@ def test_excluded_equals_the_scan_under_any_loaded_history():
                 if choice.pins_version:
                     want |= {r for r, lv in book.loaded.items() if lv != version}
                 assert book.excluded(choice) == want
+                for rid in rids:  # allows() is the same question for one replica, without the set
+                    assert book.allows(rid, choice) == (rid not in want)
 
     run()
 
