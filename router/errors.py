@@ -183,8 +183,9 @@ _DUMP_MAX_CHARS = 20_000
 def readable_validation(message: object, endpoint: str) -> object:
     """vLLM's FastAPI validation error (``"1 validation error:\n  {'type': ..., 'loc': 'body.seed',
     'msg': ..., 'input': 'x'}"``: pydantic's error dicts printed one per line) as one clause per
-    error naming our field, ``"seed: Input should be a valid integer, ... (got 'x')"`` (input cut
-    by :func:`echo`); any other message, or a dump that does not read as one, unchanged."""
+    error naming our field, ``"seed: Input should be a valid integer, ... (got 'x')"`` (input and
+    location cut by :func:`echo`, the message at twice that); any other message, or a dump that
+    does not read as one, unchanged."""
     if not isinstance(message, str) or len(message) > _DUMP_MAX_CHARS or not _VALIDATION_DUMP.match(message):
         return message
     clauses = []
@@ -204,7 +205,9 @@ def readable_validation(message: object, endpoint: str) -> object:
         except ValueError:
             return message
         got = f" (got {echo(item['input'])!r})" if "input" in item and not isinstance(item["input"], (dict, list)) else ""
-        clauses.append(f"{router_param(loc, endpoint)}: {item['msg']}{got}")
+        # a location holds the client's own keys (a logit_bias key) and a message may quote its
+        # input: both cut as input is (an attacker got 15,000 characters of its body back)
+        clauses.append(f"{echo(router_param(loc, endpoint) or 'body')}: {echo(item['msg'], 2 * ECHO_CHARS)}{got}")
     return "; ".join(clauses) or message
 
 

@@ -10,6 +10,7 @@ each replica itself. Replica keys (``ReplicaEndpoint.api_key``) are never writte
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import logging
@@ -17,6 +18,7 @@ import time
 from typing import Any
 
 from cache_policy.types import ReplicaId
+from replicas.addresses import resolve
 from replicas.auth import headers_for
 from replicas.kv_events import KvEventSource
 from replicas.replica_set import ReplicaEndpoint
@@ -152,6 +154,7 @@ class RegistrySync:
                 continue
             self.seq[rid] = seq
             if self.known.get(rid) != entry:
+                entry = await self._spelt_here(app, rid, entry, by)
                 try:
                     if not self._apply(app, rid, entry, by):
                         continue
@@ -164,6 +167,25 @@ class RegistrySync:
             await self.redis.call(lambda c: c.eval(DROP_REPLICA, 1, self.keys.replicas, rid, text),
                                   timeout_s=timeout_s, background=True)
         return applied
+
+    async def _spelt_here(self, app, rid: ReplicaId, entry: dict[str, Any], by: str) -> dict[str, Any]:
+        """``entry`` with this router's URL when it names, in another spelling, the server this
+        router's own set holds as ``rid`` (``localhost`` vs ``127.0.0.1``: their addresses meet,
+        ``replicas.addresses.resolve``); else ``entry`` as it is. Not a conflict then, and not a
+        restart: each router keeps its spelling and neither writes the entry again."""
+        from router import keys
+        from router.fleet import FLEET
+
+        fleet = app.get(FLEET)
+        local = next((s.endpoint for s in app[keys.POOL].states() if s.endpoint.replica_id == rid), None)
+        if (local is None or entry.get("state") == "removed" or by == self.router_id or fleet is None
+                or not fleet.owns(rid) or local.base_url == entry.get("base_url")):
+            return entry
+        try:
+            here, there = await asyncio.gather(resolve(local.base_url), resolve(str(entry["base_url"])))
+        except (OSError, ValueError, KeyError):
+            return entry  # a name that does not resolve is another server as far as can be told
+        return {**entry, "base_url": local.base_url} if here & there else entry
 
     def _apply(self, app, rid: ReplicaId, entry: dict[str, Any], by: str = "") -> bool:
         """Carry ``entry`` (written by router ``by``) into this router; False when it is not

@@ -328,3 +328,21 @@ async def test_a_router_whose_replica_ids_mean_other_servers_on_the_shared_regis
             assert await fleet_of(b) == await fleet_of(c) == {"replica-0": u0, "replica-1": u2}
             status, _, headers = await call("POST", c + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 1})
             assert status == 200
+
+
+async def test_the_same_servers_spelt_otherwise_on_another_router_are_no_conflict(redis_url):
+    # `localhost` on one router, 127.0.0.1 on the other: the same servers under the same ids (an
+    # attacker's case: refused to start as a conflict); each keeps its spelling, nothing is rewritten
+    async with fakes(2) as (_, (u0, u1)):
+        spelt = [u.replace("127.0.0.1", "localhost") for u in (u0, u1)]
+        async with router([u0, u1], redis_url=redis_url, prefix="fc6:") as (a, app_a, _), \
+                router(spelt, redis_url=redis_url, prefix="fc6:") as (b, app_b, _):
+            await asyncio.sleep(0.5)  # a few sync rounds each
+            seqs = dict(app_a[keys.LIFECYCLE].shared.registry.seq)
+            await asyncio.sleep(0.5)
+            assert app_a[keys.LIFECYCLE].shared.registry.seq == seqs  # no tug of war
+            assert await fleet_of(a) == {"replica-0": u0, "replica-1": u1}
+            assert await fleet_of(b) == {"replica-0": spelt[0], "replica-1": spelt[1]}
+            for url in (a, b):
+                status, _, _ = await call("POST", url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 1})
+                assert status == 200

@@ -112,6 +112,9 @@ def test_replica_errors_always_name_a_field():
             "'msg': 'Field required', 'input': {'content': 'x'}}")
     assert readable_validation(dump, "chat") == ("temperature: Input should be a valid number (got 'hot'); "
                                                  "messages[0].role: Field required")
+    long = readable_validation("1 validation error:\n  {'loc': ('body', 'logit_bias', '" + "k" * 5000 + "'), 'msg': 'Value "
+                               "error, " + "m" * 5000 + "', 'input': '" + "i" * 5000 + "'}", "completions")
+    assert len(long) < 450 and long.startswith("logit_bias.kkk") and "..." in long, long
     for odd in ("1 validation error:\n  __import__('os')", "1 validation error:\n  {'msg': 1}", "plain text",
                 "1 validation error:\n  {'msg': 'x', 'input': '" + "y" * 30_000 + "'}",
                 # a hex int of 16,000 digits: literal_eval takes it, str() of it raises (an attacker's 500)
