@@ -174,18 +174,29 @@ class RegistrySync:
         ``replicas.addresses.resolve``); else ``entry`` as it is. Not a conflict then, and not a
         restart: each router keeps its spelling and neither writes the entry again."""
         from router import keys
-        from router.fleet import FLEET
 
-        fleet = app.get(FLEET)
-        local = next((s.endpoint for s in app[keys.POOL].states() if s.endpoint.replica_id == rid), None)
-        if (local is None or entry.get("state") == "removed" or by == self.router_id or fleet is None
-                or not fleet.owns(rid) or local.base_url == entry.get("base_url")):
+        here = {s.endpoint.replica_id: s.endpoint for s in app[keys.POOL].states()}
+        local = self._own_elsewhere(app, here, rid, entry, by)
+        if local is None:
             return entry
         try:
             here, there = await asyncio.gather(resolve(local.base_url), resolve(str(entry["base_url"])))
         except (OSError, ValueError, KeyError):
             return entry  # a name that does not resolve is another server as far as can be told
         return {**entry, "base_url": local.base_url} if here & there else entry
+
+    def _own_elsewhere(self, app, here: dict[ReplicaId, ReplicaEndpoint], rid: ReplicaId, entry: dict[str, Any],
+                       by: str) -> ReplicaEndpoint | None:
+        """This router's endpoint of ``rid`` when ``entry``, written by another router and not a
+        removal, puts ``rid``, a replica of this router's own set (``fleet.owns``), at another URL;
+        else None. ``here``: the pool's endpoints by id."""
+        from router.fleet import FLEET
+
+        fleet, local = app.get(FLEET), here.get(rid)
+        if (local is None or fleet is None or by == self.router_id or entry.get("state") == "removed"
+                or local.base_url == entry.get("base_url") or not fleet.owns(rid)):
+            return None
+        return local
 
     def _apply(self, app, rid: ReplicaId, entry: dict[str, Any], by: str = "") -> bool:
         """Carry ``entry`` (written by router ``by``) into this router; False when it is not
@@ -199,17 +210,16 @@ class RegistrySync:
         pool, core = app[keys.POOL], app[keys.CORE]
         here = {s.endpoint.replica_id: s.endpoint for s in pool.states()}
         state = entry["state"]
-        fleet = app.get(FLEET)
         if state == "removed":  # (the last one too: a fleet of none answers 503, not a replica it was told is gone)
             self.unreachable.discard(rid)
             if rid in here:
                 on_replica_event(app, ReplicaEvent("removed", rid, here[rid], "removed by another router"))
+            fleet = app.get(FLEET)
             if fleet is not None and fleet.owns(rid):  # ours: another router removed it, we stop it
                 stop_owned(app, fleet, rid)
             return True
         local = here.get(rid)
-        if (local is not None and local.base_url != entry["base_url"] and fleet is not None and fleet.owns(rid)
-                and by != self.router_id):
+        if self._own_elsewhere(app, here, rid, entry, by) is not None:
             return self._conflict(app, rid, local.base_url, entry["base_url"], by)
         self.conflicts.pop(rid, None)
         if local is None and self.known.get(rid, {}).get("state", "removed") != "removed":
@@ -219,7 +229,7 @@ class RegistrySync:
                 self.unreachable.add(rid)
                 log.info("replica %s at %s was launched by another router and needs its key, which only that "
                          "router's process holds: not routed from here", rid, entry["base_url"])
-            return False  # not synced: recorded as known, the next push wrote it back 'removed' (its owner stopped it)
+            return False  # not synced: recorded as known, the next push would write it back 'removed' (its owner would stop it)
         endpoint = endpoint_of(entry, local.api_key if local is not None else None)
         if local is None or rid not in core.replicas:
             log.warning("replica %s at %s added by another router", rid, endpoint.base_url)
