@@ -15,6 +15,7 @@ from cache_policy.core import DecisionCore
 from replicas.auth import PROCESS_KEYS
 from replicas.replica_set import ReplicaEndpoint
 from router import admin, fleet, handlers, keys, score
+from router.busy_poll import BusyPoll
 from router.config import AppConfig
 from router.edge import edge_middleware
 from router.errors import error_middleware
@@ -50,8 +51,11 @@ def make_core(cfg: AppConfig, endpoints: Sequence[ReplicaEndpoint]) -> DecisionC
 def create_app(cfg: AppConfig, endpoints: Sequence[ReplicaEndpoint], tokenizer: PromptTokenizer) -> web.Application:
     """Build the router app for ``endpoints``. ``tokenizer`` must be the replicas' model's."""
     metrics = RouterMetrics()
-    app = web.Application(middlewares=[metrics_middleware(metrics), error_middleware, edge_middleware(cfg)],
+    busy_poll = BusyPoll(cfg.router.busy_poll_ms / 1e3, metrics.busy_poll.inc) if cfg.router.busy_poll_ms else None
+    app = web.Application(middlewares=[metrics_middleware(metrics, busy_poll), error_middleware, edge_middleware(cfg)],
                           client_max_size=cfg.router.max_body_bytes)
+    if busy_poll is not None:
+        app.on_shutdown.append(lambda _: _stop_polling(busy_poll))
     app[keys.CONFIG] = cfg
     app[keys.LIMITS] = Limits.of(cfg, endpoints)
     app[keys.POOL] = ReplicaPool(endpoints)
@@ -104,6 +108,10 @@ async def _http_session(app: web.Application) -> AsyncIterator[None]:
             await app[keys.WEIGHT_UPDATER].close()  # an update in progress ends (or rolls back) first
             await state.close()
             await upstream.close()
+
+
+async def _stop_polling(busy_poll: BusyPoll) -> None:
+    busy_poll.close()
 
 
 def endpoints_of(app: web.Application) -> list[ReplicaEndpoint]:

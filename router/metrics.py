@@ -6,11 +6,15 @@ import asyncio
 import bisect
 import time
 from collections.abc import Container
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 import prometheus_client
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+if TYPE_CHECKING:
+    from router.busy_poll import BusyPoll
 
 
 class _CachedLabels:
@@ -141,6 +145,8 @@ class RouterMetrics:
         r = self.registry
         self.requests = Counter("rollout_router_requests", "Requests handled, by endpoint and HTTP status",
                                 ["endpoint", "status"], registry=r)
+        self.busy_poll = Counter("rollout_router_busy_poll_seconds", "Seconds the event loop polled without "
+                                 "sleeping after requests (router.busy_poll_ms)", registry=r)
         self.decisions = Counter("rollout_router_routing_decisions", "Routing decisions, by policy and reason",
                                  ["policy", "reason"], registry=r)
         self.prompt_tokens = Counter("rollout_router_prompt_tokens", "Prompt tokens sent, by replica",
@@ -286,16 +292,21 @@ ENDPOINT_PATHS = {"/v1/completions": "completions", "/v1/chat/completions": "cha
 """Request paths counted in ``rollout_router_requests_total`` / ``_request_seconds``, by label."""
 
 
-def metrics_middleware(metrics: RouterMetrics):
+def metrics_middleware(metrics: RouterMetrics, busy_poll: BusyPoll | None = None):
     """Count every request to :data:`ENDPOINT_PATHS` by endpoint and final HTTP status, the
     router's own 4xx included, and observe its latency. Must sit outside ``error_middleware`` so
-    errors arrive as responses; a client that goes away counts as 499, anything unhandled as 500."""
+    errors arrive as responses; a client that goes away counts as 499, anything unhandled as 500.
+    ``busy_poll``: kicked as each of those requests starts and ends (``router.busy_poll``; the
+    fast lane's pass here too), not by scrapes and health checks."""
+    kick = busy_poll.kick if busy_poll is not None else None
 
     @web.middleware
     async def count(request: web.Request, handler):
         endpoint = ENDPOINT_PATHS.get(request.path)
         if endpoint is None:
             return await handler(request)
+        if kick is not None:
+            kick()
         started = time.perf_counter()
         status = "500"
         try:
@@ -307,5 +318,7 @@ def metrics_middleware(metrics: RouterMetrics):
             raise
         finally:
             metrics.count_request(endpoint, status, time.perf_counter() - started)
+            if kick is not None:
+                kick()
 
     return count

@@ -41,8 +41,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from typing import Any
+
 import aiohttp
 import numpy as np
+import yaml
 from rich.console import Console
 from rich.table import Table
 
@@ -106,7 +109,31 @@ def turn_prompts(rng: np.random.Generator, tokens: int, turns: int):
             yield f"ab-{session}", ids
 
 
-async def run(checkouts: list[Path], requests: int, tokens: int, seed: int, warmup: int = 50,
+def checkout(arg: str) -> Path | tuple[Path, dict[str, Any]]:
+    """A ``checkouts`` argument: ``PATH`` or ``PATH@key=value,key=value`` (dotted config keys,
+    YAML values: ``.@router.busy_poll_ms=50``): that checkout's router runs with those settings."""
+    path, _, rest = arg.partition("@")
+    if not rest:
+        return Path(path)
+    settings: dict[str, Any] = {}
+    for item in rest.split(","):
+        key, eq, value = item.partition("=")
+        if not eq or key.count(".") != 1:
+            raise argparse.ArgumentTypeError(f"{arg!r}: settings are section.key=value, got {item!r}")
+        settings[key] = yaml.safe_load(value)
+    return Path(path), settings
+
+
+def _nest(settings: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """``{"router.port": 1}`` -> ``{"router": {"port": 1}}``."""
+    out: dict[str, dict[str, Any]] = {}
+    for key, value in settings.items():
+        section, _, name = key.partition(".")
+        out.setdefault(section, {})[name] = value
+    return out
+
+
+async def run(checkouts: list[Path | tuple[Path, dict[str, Any]]], requests: int, tokens: int, seed: int, warmup: int = 50,
               spy_venv: Path | None = None, rust: list[RouterSpec] = (), rust_venv: Path | None = None,
               turns: int = 1) -> dict[str, dict]:
     """Added latency and CPU per request of each checkout's router and of the floor; with ``spy_venv``
@@ -128,13 +155,18 @@ async def run(checkouts: list[Path], requests: int, tokens: int, seed: int, warm
                     name, cwd = root.name, ROOT
                     specs[name] = root
                     argv = command(root, urls[:1], port, rust_venv or ROOT / ".venv-h2h", work)
-                elif root in FLOORS:
+                elif isinstance(root, str):  # a floor
                     name, cwd = FLOORS[root][0], ROOT
                     argv = [sys.executable, "-m", FLOORS[root][1], "--port", str(port), urls[0], *FLOORS[root][2]]
                 else:
-                    name, cwd = f"{k + 1}: {root}", root
-                    specs[name] = OURS
-                    argv = [sys.executable, "-m", "router", "serve", "--config", str(config), "--host", "127.0.0.1",
+                    root, settings = root if isinstance(root, tuple) else (root, {})
+                    name, cwd = f"{k + 1}: {root}" + "".join(f" {key}={v}" for key, v in settings.items()), root
+                    specs[name], last_ours = OURS, name
+                    own = config
+                    if settings:
+                        own = work / f"router-{k}.yaml"
+                        own.write_text(yaml.safe_dump(_nest({"replicas.urls": [urls[0]], **settings})))
+                    argv = [sys.executable, "-m", "router", "serve", "--config", str(own), "--host", "127.0.0.1",
                             "--port", str(port), "--log-level", "WARNING"]
                 with open(work / f"router-{k}.log", "ab") as log:
                     procs[name] = (subprocess.Popen(argv, cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
@@ -153,7 +185,7 @@ async def run(checkouts: list[Path], requests: int, tokens: int, seed: int, warm
                     if i == 0:
                         cpu0 = {name: cpu_s(proc.pid) for name, (proc, _) in procs.items()}
                         if spy_venv is not None:
-                            spy = profile.start(procs[f"{len(checkouts)}: {checkouts[-1]}"][0].pid, work, spy_venv)
+                            spy = profile.start(procs[last_ours][0].pid, work, spy_venv)
                     session, ids = next(prompts)
                     body = json.dumps({"model": "sim-model", "prompt": ids, "max_tokens": 1}).encode()
                     # a fresh order each round: with a rotation, the router after ``direct`` was always
@@ -193,7 +225,9 @@ async def run(checkouts: list[Path], requests: int, tokens: int, seed: int, warm
 def main(argv: list[str] | None = None) -> dict[str, dict]:
     p = argparse.ArgumentParser(prog="python -m bench.h2h.ab", description=__doc__.split("\n\n")[0],
                                 epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("checkouts", nargs="+", type=Path, help="folders holding this repository at the commits to compare")
+    p.add_argument("checkouts", nargs="+", type=checkout,
+                   help="folders holding this repository at the commits to compare; PATH@section.key=value,... "
+                        "runs that checkout's router with those settings (e.g. .@router.busy_poll_ms=50)")
     p.add_argument("--requests", type=int, default=1000, help="timed requests per router (default 1000)")
     p.add_argument("--tokens", type=int, default=4000, help="token IDs per prompt (default 4000)")
     p.add_argument("--seed", type=int, default=0)
@@ -215,9 +249,11 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     if args.requests < 1 or args.seed < 0:
         p.error("--requests must be >= 1 and --seed >= 0")
     for c in args.checkouts:
-        if not (c / "router" / "__main__.py").is_file():
-            p.error(f"{c} does not hold this repository (no router/__main__.py)")
-    result = asyncio.run(run([c.resolve() for c in args.checkouts], args.requests, args.tokens, args.seed,
+        path = c[0] if isinstance(c, tuple) else c
+        if not (path / "router" / "__main__.py").is_file():
+            p.error(f"{path} does not hold this repository (no router/__main__.py)")
+    checkouts = [(c[0].resolve(), c[1]) if isinstance(c, tuple) else c.resolve() for c in args.checkouts]
+    result = asyncio.run(run(checkouts, args.requests, args.tokens, args.seed,
                              spy_venv=args.py_spy.resolve() if args.py_spy else None,
                              rust=[by_name[n] for n in args.rust], rust_venv=args.rust_venv.resolve(),
                              turns=args.turns))

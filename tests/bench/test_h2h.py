@@ -5,6 +5,7 @@ runs them."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 
 import aiohttp
@@ -154,6 +155,24 @@ def test_ab_with_turns_routes_each_session_by_its_header():
 
     result = asyncio.run(run([ROOT], requests=40, tokens=400, seed=2, warmup=2, turns=4))
     assert result[f"1: {ROOT}"]["cpu_ms_per_request"] > 0
+
+
+def test_ab_runs_a_checkout_with_its_own_settings():
+    """``PATH@section.key=value``: that checkout's router runs with those settings (here a body
+    limit its prompts pass: it answers 413, which ``run`` raises), the same checkout without
+    them beside it."""
+    from pathlib import Path
+
+    from bench.h2h.ab import checkout, run
+    from bench.h2h.routers import ROOT
+
+    assert checkout("/a/b") == Path("/a/b")
+    assert checkout("/a@router.busy_poll_ms=50,policy.max_queue=7") == (
+        Path("/a"), {"router.busy_poll_ms": 50, "policy.max_queue": 7})
+    with pytest.raises(argparse.ArgumentTypeError, match="settings are section.key=value, got 'busy_poll_ms=1'"):
+        checkout("/a@busy_poll_ms=1")
+    with pytest.raises(RuntimeError, match=r"2: .* router.max_body_bytes=1000 answered 413"):
+        asyncio.run(run([ROOT, (ROOT, {"router.max_body_bytes": 1000})], requests=5, tokens=400, seed=3, warmup=1))
 
 
 def test_ab_takes_only_rust_routers_that_read_token_ids(capsys):

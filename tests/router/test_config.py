@@ -57,6 +57,8 @@ def test_unknown_policy_is_rejected_before_anything_starts():
     ("router:\n  weight_update_mode: canary\n", "router.weight_update_mode: must be one of 'rolling' or 'all', "
                                                 "got 'canary'"),
     ("router:\n  max_n: 0\n", "router.max_n: must be >= 1, got 0"),
+    ("router:\n  busy_poll_ms: -1\n", "router.busy_poll_ms: must be in [0, 60000] milliseconds (0: off), got -1.0"),
+    ("router:\n  busy_poll_ms: .nan\n", "router.busy_poll_ms: must be a finite number, got nan"),
     ("router:\n  api_keys: [a]\n", "router.api_keys: must be a mapping, got ('a',)"),
     ("policy:\n  high_watermark: 2\n", "policy.high_watermark: must be in (0, 1], got 2.0"),
     ("policy:\n  max_queue: many\n", "policy.max_queue: must be an integer, got 'many'"),

@@ -131,3 +131,46 @@ async def test_launching_replicas_without_ray_and_vllm_is_one_line_refused(tmp_p
     assert proc.returncode == 2, err.decode()[-2000:]
     assert err.decode().endswith("rollout-router: cannot start: launching replicas needs Ray and vLLM: pip install "
                                  "'.[cpu]' or '.[gpu]' (or list existing servers in replicas.urls)\n"), err.decode()[-2000:]
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (``/proc/PID/stat``, clock ticks)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def test_busy_poll_spends_cpu_after_requests_and_none_once_they_stop(tmp_path, no_vllm_env):
+    # router.busy_poll_ms: after a request the router's loop polls (a CPU busy) for the window,
+    # then sleeps again; a router without it sleeps as soon as it waits
+    window_s = 0.6
+    config = write_config(tmp_path, [])
+    fake = FakeVllm(block_size=16)
+    async with serving(fake) as upstream:
+        config.write_text(f"router:\n  port: 0\n  busy_poll_ms: {window_s * 1e3}\nreplicas:\n  urls: [{upstream}]\n")
+        proc, url = await start(config, no_vllm_env)
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
+                await asyncio.sleep(1.0)  # started; no request yet
+                before = cpu_s(proc.pid)
+                await asyncio.sleep(0.4)
+                idle = cpu_s(proc.pid) - before
+                async with http.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 1}) as resp:
+                    assert resp.status == 200, await resp.text()
+                before = cpu_s(proc.pid)
+                await asyncio.sleep(0.4)  # inside the window the request's end opened
+                polling = cpu_s(proc.pid) - before
+                await asyncio.sleep(window_s)
+                before = cpu_s(proc.pid)
+                await asyncio.sleep(0.4)
+                after = cpu_s(proc.pid) - before
+                async with http.get(url + "/metrics") as resp:
+                    page = await resp.text()
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            _, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, err.decode()[-2000:]
+    assert idle < 0.1 and after < 0.1, (idle, after)  # a sleeping loop: the 1 s scrapes cost a few ms
+    assert polling >= 0.2, polling  # about 0.4 s when it has a CPU to itself
+    counted = next(float(line.split()[-1]) for line in page.splitlines()
+                   if line.startswith("rollout_router_busy_poll_seconds_total"))
+    assert window_s <= counted < window_s + 1.0, counted  # the request's own time, then the window
