@@ -219,16 +219,21 @@ async def _claim_address(app: web.Application, url: str):
         address = await resolve(url)
     except OSError as exc:
         raise BadRequest(f"cannot add the replica: {echo(url)} does not resolve ({exc})", param="url") from None
+    registry = getattr(_shared(app), "registry", None)  # with Redis: the entries it does not follow too
+    elsewhere = registry.servers_elsewhere() if registry is not None else {}
     known = {}
-    for s in list(app[keys.POOL].states()):
+    for base_url in [*(s.endpoint.base_url for s in list(app[keys.POOL].states())), *elsewhere]:
         try:
-            known[s.endpoint.base_url] = await resolve(s.endpoint.base_url)
+            known[base_url] = await resolve(base_url)
         except OSError:  # a replica's name that no longer resolves: compare its spelling
-            known[s.endpoint.base_url] = frozenset()
-        if s.endpoint.base_url == url:
+            known[base_url] = frozenset()
+        if base_url == url:
             known[url] = address
     adding = app[ADDING]  # checked and claimed with no await in between
     twin = next((u for u, a in known.items() if a & address), None)
+    if twin in elsewhere:
+        raise BadRequest(f"{echo(url)} is already {elsewhere[twin]} of another router (as {echo(twin)}), which this "
+                         "router does not route to", param="url")
     if twin is not None:
         raise BadRequest(f"{echo(url)} is already a replica of this router (as {echo(twin)})", param="url")
     if any(a & address for a in adding):

@@ -74,13 +74,23 @@ class RegistrySync:
         self.known: dict[ReplicaId, dict[str, Any]] = {}
         """Entries as last synced (without ``seq``/``by``), per replica."""
         self.seq: dict[ReplicaId, int] = {}
-        self.unreachable: set[ReplicaId] = set()
-        """Replicas another router launched (keyed) that this one cannot send to (logged once)."""
+        self.unreachable: dict[ReplicaId, str] = {}
+        """Replicas another router launched (keyed) that this one cannot send to (logged once), and
+        their URLs."""
         self.alive: set[str] = set()
         """The other routers alive at the last heartbeat (``PeerSync.others``; the caller sets it)."""
         self.conflicts: dict[ReplicaId, tuple[str, str]] = {}
         """Replicas of this router's own set that a live router registered at another address:
         ``(that router, its URL)`` (:meth:`_conflict`)."""
+
+    def servers_elsewhere(self) -> dict[str, ReplicaId]:
+        """The URLs of the registry's entries this router does not follow, each with its id:
+        keyed replicas of another router (:attr:`unreachable`) and another live router's server
+        under an id of this router's own set (:attr:`conflicts`). Each is one engine of the
+        fleet already: ``POST /admin/replicas`` of one must not give it a second id."""
+        out = {url: rid for rid, url in self.unreachable.items()}
+        out.update({url: rid for rid, (_, url) in self.conflicts.items()})
+        return out
 
     def forget(self) -> None:
         """Redis restarted empty: everything local is written again next round."""
@@ -211,7 +221,7 @@ class RegistrySync:
         here = {s.endpoint.replica_id: s.endpoint for s in pool.states()}
         state = entry["state"]
         if state == "removed":  # (the last one too: a fleet of none answers 503, not a replica it was told is gone)
-            self.unreachable.discard(rid)
+            self.unreachable.pop(rid, None)
             if rid in here:
                 on_replica_event(app, ReplicaEvent("removed", rid, here[rid], "removed by another router"))
             fleet = app.get(FLEET)
@@ -225,11 +235,12 @@ class RegistrySync:
         if local is None and self.known.get(rid, {}).get("state", "removed") != "removed":
             return False  # this router removed it since its last push: its 'removed' goes out next, not back in
         if local is None and entry.get("keyed") and not headers_for(entry["base_url"]):
-            if rid not in self.unreachable:  # every request there would get its 401
-                self.unreachable.add(rid)
+            if self.unreachable.get(rid) != entry["base_url"]:  # every request there would get its 401
+                self.unreachable[rid] = entry["base_url"]
                 log.info("replica %s at %s was launched by another router and needs its key, which only that "
                          "router's process holds: not routed from here", rid, entry["base_url"])
             return False  # not synced: recorded as known, the next push would write it back 'removed' (its owner would stop it)
+        self.unreachable.pop(rid, None)
         endpoint = endpoint_of(entry, local.api_key if local is not None else None)
         if local is None or rid not in core.replicas:
             log.warning("replica %s at %s added by another router", rid, endpoint.base_url)

@@ -346,3 +346,39 @@ async def test_the_same_servers_spelt_otherwise_on_another_router_are_no_conflic
             for url in (a, b):
                 status, _, _ = await call("POST", url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 1})
                 assert status == 200
+
+
+async def test_a_server_another_router_launched_is_not_added_again_under_a_second_id(redis_url):
+    # another router's launched replica needs a key only that router's process holds, so this
+    # router does not follow its registry entry; a POST of its URL gave the server a second id
+    # (an attacker's case, session 23), two routers then counting one engine twice
+    from aiohttp import web
+
+    from cache_policy.config import PolicyConfig
+    from cache_policy.core import DecisionCore
+    from cache_policy.types import ReplicaId
+    from replicas.replica_set import ReplicaEndpoint
+    from router.pool import ReplicaPool
+    from router.state import RedisState
+
+    async with fakes(2) as (_, (u0, u2)):
+        async with router([u0], redis_url=redis_url, prefix="fc7:") as (b, app_b, _):
+            # the other router, as router.app wires its state: a core, a pool, a RedisState
+            launched = ReplicaEndpoint(ReplicaId("replica-5"), u2, 16, 2000, "fake-gpu-model", api_key="secret")
+            other = web.Application()
+            other[keys.CORE] = DecisionCore(PolicyConfig())
+            other[keys.CORE].add_replica(launched.replica_id, block_size=16, num_gpu_blocks=2000)
+            other[keys.POOL] = ReplicaPool([launched])
+            state = RedisState(redis_url, prefix="fc7:", timeout_s=1.0, sync_interval_s=0.1)
+            state.app = other
+            try:
+                await state.sync_round()
+                registry = app_b[keys.LIFECYCLE].shared.registry
+                await until(lambda: asyncio.sleep(0, "replica-5" in registry.unreachable), what="B reads the entry")
+                spelt = u2.replace("127.0.0.1", "localhost")
+                status, body, _ = await call("POST", b + "/admin/replicas", json={"url": spelt}, headers=ADMIN)
+                assert status == 400 and body["error"]["param"] == "url", body
+                assert f"is already replica-5 of another router (as {u2})" in body["error"]["message"]
+                assert await fleet_of(b) == {"replica-0": u0}
+            finally:
+                await state.close()
