@@ -237,6 +237,8 @@ class RedisState:
         self.app = app
         self.versions.seed = core.versions_snapshot()
         await self.sync_round()
+        if self.registry.refused:  # a router started at the same time wrote first: read its entries
+            await self.sync_round()
         if self.registry.conflicts:
             from replicas.config import StartupError
 

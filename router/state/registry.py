@@ -79,6 +79,14 @@ class RegistrySync:
         their URLs."""
         self.alive: set[str] = set()
         """The other routers alive at the last heartbeat (``PeerSync.others``; the caller sets it)."""
+        self.joining = True
+        """Until a push of this router's lands with nothing refused: its writes must not take an id
+        that another live router holds at another URL (``wire.PUT_REPLICA``). Later writes are
+        informed (the router has read the registry): a launched replica's restart moves its own
+        entry, whoever wrote it last."""
+        self.refused: set[ReplicaId] = set()
+        """Entries the last :meth:`push` could not write: another live router holds the id at
+        another URL (``wire.PUT_REPLICA``); the next :meth:`pull` reads its entry."""
         self.conflicts: dict[ReplicaId, tuple[str, str]] = {}
         """Replicas of this router's own set that a live router registered at another address:
         ``(that router, its URL)`` (:meth:`_conflict`)."""
@@ -104,13 +112,21 @@ class RegistrySync:
         for rid, e in self.known.items():
             if rid not in local and e["state"] != "removed":
                 changes[rid] = {**e, "state": "removed"}
+        self.refused.clear()
+        joining = self.router_id if self.joining else ""
         for rid, entry in changes.items():
             body = json.dumps({**entry, "by": self.router_id, "at": round(time.time(), 3)})
-            self.seq[rid] = int(await self.redis.call(lambda c: c.eval(
-                PUT_REPLICA, 2, self.keys.replicas, self.keys.replicas_seq, rid, body, self.keys.events),
-                timeout_s=timeout_s, background=True))
+            seq = int(await self.redis.call(lambda c: c.eval(
+                PUT_REPLICA, 2, self.keys.replicas, self.keys.replicas_seq, rid, body, self.keys.events,
+                joining, self.keys.router("")), timeout_s=timeout_s, background=True))
+            if seq == 0:  # a live router holds the id at another URL: read its entry again next (pull)
+                self.refused.add(rid)
+                self.seq.pop(rid, None)  # read while that router did not look alive yet, maybe
+                continue
+            self.seq[rid] = seq
             self.known[rid] = entry
-        return len(changes)
+        self.joining = bool(self.refused)  # until its entries are in, or given up for the others
+        return len(changes) - len(self.refused)
 
     async def claim_index(self, floor: int, timeout_s: float) -> int:
         """A replica index at least ``floor`` that no router has used (``wire.CLAIM_REPLICA_INDEX``).

@@ -103,7 +103,21 @@ return 0
 """
 
 PUT_REPLICA = """
--- KEYS: replicas hash, seq key; ARGV: replica id, entry JSON without seq (ends with '}'), channel
+-- KEYS: replicas hash, seq key; ARGV: replica id, entry JSON without seq (ends with '}'), channel,
+-- the writer's router id while it joins (else ''), the routers' view key prefix (``router:``: a
+-- view lives while its router beats). A joining router's write is refused (0) when the entry
+-- there, written by another router still alive, puts the replica at another base_url and neither
+-- is a removal: two routers giving one id to two servers (started at once with different
+-- replicas.urls); the first writer keeps the id, the other reads its entry next (a conflict, or
+-- the same server spelt otherwise).
+local old = ARGV[4] ~= '' and redis.call('HGET', KEYS[1], ARGV[1])
+if old then
+  local there, here = cjson.decode(old), cjson.decode(ARGV[2])
+  if there.by ~= ARGV[4] and there.state ~= 'removed' and here.state ~= 'removed'
+      and there.base_url ~= here.base_url and redis.call('EXISTS', ARGV[5] .. tostring(there.by)) == 1 then
+    return 0
+  end
+end
 local seq = redis.call('INCR', KEYS[2])
 local entry = string.sub(ARGV[2], 1, -2) .. ', "seq": ' .. seq .. '}'
 redis.call('HSET', KEYS[1], ARGV[1], entry)

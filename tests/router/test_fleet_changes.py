@@ -382,3 +382,33 @@ async def test_a_server_another_router_launched_is_not_added_again_under_a_secon
                 assert await fleet_of(b) == {"replica-0": u0}
             finally:
                 await state.close()
+
+
+async def test_two_routers_started_at_once_with_different_lists_do_not_both_start(redis_url):
+    # both read the registry before either wrote it, so both passed the start check and each took
+    # replica-1 for its own server (session 23's known gap); now a joining router's write does not
+    # take an id another live router holds at another URL, and the later one refuses to start
+    from replicas.config import StartupError
+
+    async with fakes(3) as (_, (u0, u1, u2)):
+        for attempt in range(3):
+            prefix = f"fc8-{attempt}:"
+            release = asyncio.Event()
+            started: list[tuple[str, str]] = []
+
+            async def one(urls: list[str]) -> None:
+                async with router(urls, redis_url=redis_url, prefix=prefix) as (url, _, _):
+                    started.append((url, urls[1]))
+                    await release.wait()
+
+            tasks = [asyncio.create_task(one(urls)) for urls in ([u0, u1], [u0, u2])]
+            await until(lambda: asyncio.sleep(0, len(started) + sum(t.done() for t in tasks) == 2), 30,
+                        "both routers started or refused")
+            refused = [t.exception() for t in tasks if t.done()]
+            assert len(started) == 1 and len(refused) == 1, (started, refused)
+            assert isinstance(refused[0], StartupError) and "replica-1 is" in str(refused[0])
+            url, mine = started[0]
+            await asyncio.sleep(0.5)  # a few sync rounds: nothing moved under the router that runs
+            assert await fleet_of(url) == {"replica-0": u0, "replica-1": mine}
+            release.set()
+            await asyncio.gather(*tasks, return_exceptions=True)
