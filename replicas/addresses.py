@@ -9,6 +9,8 @@ two replicas to the router on one engine: its load counted twice, its cache pred
 from __future__ import annotations
 
 import asyncio
+import functools
+import ipaddress
 import socket
 
 import yarl
@@ -16,7 +18,42 @@ import yarl
 RESOLVE_TIMEOUT_S = 5.0
 
 Address = frozenset[tuple[str, int, str]]
-"""Where a URL leads: ``{(ip, port, path)}``, one per address its host resolves to."""
+"""Where a URL leads: ``{(host, port, path)}``, one per address its host resolves to (``host``:
+:func:`host_key` of the address)."""
+
+THIS_HOST = "this-host"
+""":func:`host_key` of every address that reaches this machine itself."""
+
+
+def host_key(ip: str) -> str:
+    """One spelling per host for the address ``ip``: an IPv4-mapped IPv6 address as its IPv4
+    (``::ffff:127.0.0.1`` reaches the IPv4 listener), and :data:`THIS_HOST` for every address
+    that leads to this machine: loopback (``127.0.0.0/8``, ``::1``), unspecified (``0.0.0.0``,
+    ``::``: Linux connects them to the local host) and this machine's own interface addresses
+    (one it can bind): a server listening on all of them is one server however it is reached.
+    Two servers on one port of one machine, each bound to another local address, would read as
+    one (refused: the safe side)."""
+    try:
+        address = ipaddress.ip_address(ip.split("%", 1)[0])
+    except ValueError:
+        return ip
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    if address.is_loopback or address.is_unspecified or _local(address):
+        return THIS_HOST
+    return str(address)
+
+
+@functools.lru_cache(maxsize=256)
+def _local(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    """Whether ``address`` is one of this machine's own (a socket can bind it)."""
+    family = socket.AF_INET if address.version == 4 else socket.AF_INET6
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.bind((str(address), 0))
+    except OSError:
+        return False
+    return True
 
 
 def canonical_url(text: str) -> str:
@@ -46,8 +83,9 @@ def canonical_url(text: str) -> str:
 
 
 async def resolve(url: str, timeout_s: float = RESOLVE_TIMEOUT_S) -> Address:
-    """The socket addresses of ``url`` (canonical) as ``{(ip, port, path)}``; ``OSError`` when
-    its host does not resolve within ``timeout_s``."""
+    """Where ``url`` (canonical) leads, as ``{(host_key(ip), port, path)}`` (:func:`host_key`:
+    ``localhost``, ``0.0.0.0``, ``[::ffff:127.0.0.1]`` and this machine's own addresses are one
+    host); ``OSError`` when its host does not resolve within ``timeout_s``."""
     u = yarl.URL(url)
     port = u.port or (443 if u.scheme == "https" else 80)
     try:
@@ -58,4 +96,4 @@ async def resolve(url: str, timeout_s: float = RESOLVE_TIMEOUT_S) -> Address:
     except UnicodeError as exc:
         raise OSError(f"{u.host}: {exc}") from None
     path = u.path.rstrip("/")
-    return frozenset((info[4][0], int(info[4][1]), path) for info in infos)
+    return frozenset((host_key(info[4][0]), int(info[4][1]), path) for info in infos)

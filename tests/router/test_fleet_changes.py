@@ -74,7 +74,9 @@ async def until(check, timeout_s: float = 5.0, what: str = "") -> None:
 async def test_one_server_is_one_replica_however_its_url_is_spelt_or_however_many_ask_at_once():
     async with fakes(2) as (_, (u0, u1)), router([u0]) as (url, app, rs):
         port = u0.rsplit(":", 1)[1]
-        for spelling in (f"http://localhost:{port}", f" {u0}/ ", f"HTTP://127.0.0.1:{port}//", f"{u0}\n"):
+        # 0.0.0.0 and the IPv4-mapped [::ffff:127.0.0.1] reach it too (an attacker gave it three ids so)
+        for spelling in (f"http://localhost:{port}", f" {u0}/ ", f"HTTP://127.0.0.1:{port}//", f"{u0}\n",
+                         f"http://0.0.0.0:{port}", f"http://[::ffff:127.0.0.1]:{port}", f"http://[::1]:{port}"):
             status, body, _ = await call("POST", url + "/admin/replicas", json={"url": spelling}, headers=ADMIN)
             assert status == 400 and body["error"]["param"] == "url" and "already a replica" in body["error"]["message"]
         answers = await asyncio.gather(*(call("POST", url + "/admin/replicas", json={"url": u1}, headers=ADMIN)
