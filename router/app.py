@@ -55,6 +55,7 @@ def create_app(cfg: AppConfig, endpoints: Sequence[ReplicaEndpoint], tokenizer: 
     app = web.Application(middlewares=[metrics_middleware(metrics, busy_poll), error_middleware, edge_middleware(cfg)],
                           client_max_size=cfg.router.max_body_bytes)
     if busy_poll is not None:
+        metrics.before_scrape.append(busy_poll.count_now)
         app.on_shutdown.append(lambda _: _stop_polling(busy_poll))
     app[keys.CONFIG] = cfg
     app[keys.LIMITS] = Limits.of(cfg, endpoints)

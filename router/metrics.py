@@ -5,13 +5,15 @@ from __future__ import annotations
 import asyncio
 import bisect
 import time
-from collections.abc import Container
+from collections.abc import Callable, Container
 from typing import TYPE_CHECKING
 
 from aiohttp import web
 import prometheus_client
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from router.auth import TENANT
 
 if TYPE_CHECKING:
     from router.busy_poll import BusyPoll
@@ -141,6 +143,9 @@ class RouterMetrics:
 
     def __init__(self) -> None:
         self.replicas: Container[str] | None = None
+        self.before_scrape: list[Callable[[], None]] = []
+        """Called before each ``/metrics`` answer: counters kept up to date lazily bring
+        themselves up to date (``router.busy_poll.BusyPoll.count_now``)."""
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("rollout_router_requests", "Requests handled, by endpoint and HTTP status",
@@ -282,7 +287,9 @@ class RouterMetrics:
                 self.kv_index.labels(name).set(value)
 
     async def handle(self, request: web.Request) -> web.Response:
-        """GET /metrics in the Prometheus text format."""
+        """GET /metrics in the Prometheus text format (``before_scrape`` run first)."""
+        for bring_up_to_date in self.before_scrape:
+            bring_up_to_date()
         resp = web.Response(body=generate_latest(self.registry))
         resp.content_type = CONTENT_TYPE_LATEST.split(";")[0]
         return resp
@@ -296,8 +303,9 @@ def metrics_middleware(metrics: RouterMetrics, busy_poll: BusyPoll | None = None
     """Count every request to :data:`ENDPOINT_PATHS` by endpoint and final HTTP status, the
     router's own 4xx included, and observe its latency. Must sit outside ``error_middleware`` so
     errors arrive as responses; a client that goes away counts as 499, anything unhandled as 500.
-    ``busy_poll``: kicked as each of those requests starts and ends (``router.busy_poll``; the
-    fast lane's pass here too), not by scrapes and health checks."""
+    ``busy_poll``: kicked as each of those requests ends (``router.busy_poll``; the fast lane's
+    pass here too) once the edge took its API key (``router.auth.TENANT`` set): not by scrapes,
+    health checks or a refused key (an attacker without a key kept a core busy so)."""
     kick = busy_poll.kick if busy_poll is not None else None
 
     @web.middleware
@@ -305,8 +313,6 @@ def metrics_middleware(metrics: RouterMetrics, busy_poll: BusyPoll | None = None
         endpoint = ENDPOINT_PATHS.get(request.path)
         if endpoint is None:
             return await handler(request)
-        if kick is not None:
-            kick()
         started = time.perf_counter()
         status = "500"
         try:
@@ -318,7 +324,7 @@ def metrics_middleware(metrics: RouterMetrics, busy_poll: BusyPoll | None = None
             raise
         finally:
             metrics.count_request(endpoint, status, time.perf_counter() - started)
-            if kick is not None:
+            if kick is not None and TENANT in request:
                 kick()
 
     return count

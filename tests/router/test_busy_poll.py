@@ -31,6 +31,19 @@ async def test_a_kick_polls_for_its_window_then_the_loop_sleeps():
     assert time.process_time() - cpu < 0.05  # idle: the loop sleeps again
 
 
+async def test_count_now_counts_the_polling_so_far():
+    counted: list[float] = []
+    busy = BusyPoll(0.5, counted.append)
+    busy.count_now()
+    assert counted == []  # not polling: nothing to count
+    busy.kick()
+    await asyncio.sleep(0.1)
+    busy.count_now()  # as a scrape does mid-window
+    assert 0.09 <= sum(counted) < 0.3 and busy.polling, counted
+    await asyncio.sleep(0.5)
+    assert not busy.polling and 0.49 <= sum(counted) < 0.75, counted  # each stretch counted once
+
+
 async def test_a_closed_poll_stops_at_once_and_is_not_kicked_again():
     counted: list[float] = []
     busy = BusyPoll(5.0, counted.append)

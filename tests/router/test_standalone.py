@@ -141,36 +141,49 @@ def cpu_s(pid: int) -> float:
 
 async def test_busy_poll_spends_cpu_after_requests_and_none_once_they_stop(tmp_path, no_vllm_env):
     # router.busy_poll_ms: after a request the router's loop polls (a CPU busy) for the window,
-    # then sleeps again; a router without it sleeps as soon as it waits
+    # then sleeps again; a router without it sleeps as soon as it waits. A request whose API key
+    # the edge refuses starts no polling (an attacker kept a core busy with keyless requests)
     window_s = 0.6
-    config = write_config(tmp_path, [])
+    config = tmp_path / "router.yaml"
     fake = FakeVllm(block_size=16)
     async with serving(fake) as upstream:
-        config.write_text(f"router:\n  port: 0\n  busy_poll_ms: {window_s * 1e3}\nreplicas:\n  urls: [{upstream}]\n")
+        config.write_text(f"router:\n  port: 0\n  busy_poll_ms: {window_s * 1e3}\n  api_keys: {{sk-test: null}}\n"
+                          f"replicas:\n  urls: [{upstream}]\n")
         proc, url = await start(config, no_vllm_env)
+        body = {"prompt": PROMPT, "max_tokens": 1}
         try:
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
                 await asyncio.sleep(1.0)  # started; no request yet
+                for _ in range(3):
+                    async with http.post(url + "/v1/completions", json=body) as resp:
+                        assert resp.status == 401
                 before = cpu_s(proc.pid)
                 await asyncio.sleep(0.4)
                 idle = cpu_s(proc.pid) - before
-                async with http.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 1}) as resp:
+                async with http.post(url + "/v1/completions", json=body,
+                                     headers={"Authorization": "Bearer sk-test"}) as resp:
                     assert resp.status == 200, await resp.text()
                 before = cpu_s(proc.pid)
                 await asyncio.sleep(0.4)  # inside the window the request's end opened
                 polling = cpu_s(proc.pid) - before
+                async with http.get(url + "/metrics") as resp:  # counted up to the scrape, not the window's end
+                    during = metric(await resp.text(), "rollout_router_busy_poll_seconds_total")
                 await asyncio.sleep(window_s)
                 before = cpu_s(proc.pid)
                 await asyncio.sleep(0.4)
                 after = cpu_s(proc.pid) - before
                 async with http.get(url + "/metrics") as resp:
-                    page = await resp.text()
+                    counted = metric(await resp.text(), "rollout_router_busy_poll_seconds_total")
         finally:
             proc.send_signal(signal.SIGTERM)
             _, err = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode == 0, err.decode()[-2000:]
     assert idle < 0.1 and after < 0.1, (idle, after)  # a sleeping loop: the 1 s scrapes cost a few ms
     assert polling >= 0.2, polling  # about 0.4 s when it has a CPU to itself
-    counted = next(float(line.split()[-1]) for line in page.splitlines()
-                   if line.startswith("rollout_router_busy_poll_seconds_total"))
-    assert window_s <= counted < window_s + 1.0, counted  # the request's own time, then the window
+    assert 0.35 <= during < window_s, during
+    assert window_s - 0.05 <= counted < window_s + 0.5, counted  # the window after the request's end
+
+
+def metric(page: str, name: str) -> float:
+    """The value of the unlabelled sample ``name`` on a Prometheus text ``page``."""
+    return next(float(line.split()[-1]) for line in page.splitlines() if line.startswith(name + " "))
