@@ -34,6 +34,7 @@ import asyncio
 import itertools
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -78,13 +79,15 @@ _RUST = [s for s in ALL if s.kind == "vllm"]
 """The Rust routers ``--rust`` may add: those whose ``/v1/completions`` takes token IDs."""
 
 
-async def _ready(http: aiohttp.ClientSession, url: str, proc: subprocess.Popen, name: str) -> None:
+async def _ready(http: aiohttp.ClientSession, url: str, proc: subprocess.Popen, name: str,
+                 log: Path | None = None) -> None:
     """Until ``url`` answers a one-block completion 200; RuntimeError if ``proc`` exits or time runs out."""
     body = {"model": "sim-model", "prompt": list(range(10, 30)), "max_tokens": 1}
     deadline = time.monotonic() + READY_S
     while True:
         if proc.poll() is not None:
-            raise RuntimeError(f"{name} exited with {proc.returncode}")
+            tail = log.read_text(errors="replace").strip().splitlines()[-3:] if log is not None else []
+            raise RuntimeError(f"{name} exited with {proc.returncode}" + "".join(f"\n  {line}" for line in tail))
         try:
             async with http.post(url + "/v1/completions", json=body) as r:
                 if r.status == 200:
@@ -109,19 +112,46 @@ def turn_prompts(rng: np.random.Generator, tokens: int, turns: int):
             yield f"ab-{session}", ids
 
 
+OWN_SETTINGS = ("router.host", "router.port", "replicas.urls")
+"""Settings ``ab`` gives every checkout's router itself (its port, the replica it measures)."""
+
+
 def checkout(arg: str) -> Path | tuple[Path, dict[str, Any]]:
     """A ``checkouts`` argument: ``PATH`` or ``PATH@key=value,key=value`` (dotted config keys,
-    YAML values: ``.@router.busy_poll_ms=50``): that checkout's router runs with those settings."""
-    path, _, rest = arg.partition("@")
-    if not rest:
-        return Path(path)
+    YAML values: ``.@router.busy_poll_ms=50``): that checkout's router runs with those settings.
+    The settings start at the last ``@`` followed by an ``=`` somewhere (a path may hold ``@``).
+    ArgumentTypeError for a setting that is not ``section.key=value``, a value that is not YAML,
+    or one of :data:`OWN_SETTINGS`."""
+    path, at, rest = arg.rpartition("@")
+    if not at or "=" not in rest:
+        return Path(arg)
     settings: dict[str, Any] = {}
     for item in rest.split(","):
         key, eq, value = item.partition("=")
-        if not eq or key.count(".") != 1:
+        if not eq or key.count(".") != 1 or not all(key.split(".")):
             raise argparse.ArgumentTypeError(f"{arg!r}: settings are section.key=value, got {item!r}")
-        settings[key] = yaml.safe_load(value)
+        if key in OWN_SETTINGS:
+            raise argparse.ArgumentTypeError(f"{arg!r}: {key} is set by ab itself (every router measures the same replica)")
+        try:
+            settings[key] = yaml.safe_load(value)
+        except yaml.YAMLError as exc:
+            raise argparse.ArgumentTypeError(f"{arg!r}: the value of {key} is not YAML: {' '.join(str(exc).split())}") from None
     return Path(path), settings
+
+
+def build_native(root: Path) -> None:
+    """Build ``root``'s C extension in place (as ``scripts/setup.sh`` does; setuptools skips it when
+    it is up to date) and check that its router would load it: a fresh ``git worktree`` has none,
+    and a checkout running the pure-Python fallbacks measured ~1 ms slower than the same commit
+    built. RuntimeError naming the checkout when either fails."""
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    steps = ([sys.executable, "setup.py", "-q", "build_ext", "--inplace"],
+             [sys.executable, "-c", "import sys; from cache_policy.native import NATIVE; sys.exit(NATIVE is None)"])
+    for argv in steps:
+        done = subprocess.run(argv, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+        if done.returncode != 0:
+            raise RuntimeError(f"{root}: {' '.join(argv[1:3])} failed (the C extension): "
+                               f"{(done.stderr or done.stdout).strip()[-500:]}")
 
 
 def _nest(settings: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -142,11 +172,25 @@ async def run(checkouts: list[Path | tuple[Path, dict[str, Any]]], requests: int
     from replicas.tiny_model.generate import ensure_tiny_model
 
     tokenizer = str(await asyncio.to_thread(ensure_tiny_model))
+    for root in dict.fromkeys(c[0] if isinstance(c, tuple) else c for c in checkouts):
+        await asyncio.to_thread(build_native, root)
     work = Path(tempfile.mkdtemp(prefix="h2h-ab-"))
+    try:
+        out = await _run(checkouts, requests, tokens, seed, warmup, spy_venv, rust, rust_venv, turns, tokenizer, work)
+    except BaseException:
+        print(f"bench.h2h.ab: the routers' logs are in {work}", file=sys.stderr)
+        raise
+    shutil.rmtree(work, ignore_errors=True)
+    return out
+
+
+async def _run(checkouts, requests, tokens, seed, warmup, spy_venv, rust, rust_venv, turns, tokenizer: str,
+               work: Path) -> dict[str, dict]:
     async with replica_process(1, 4096, 16, "zero", tokenizer, work / "replica.log") as urls:
         config = work / "router.yaml"
         config.write_text(f"replicas:\n  urls: [{urls[0]}]\n")
         procs: dict[str, tuple[subprocess.Popen, str]] = {}
+        logs: dict[str, Path] = {}
         specs: dict[str, RouterSpec] = {}  # the routers that take a routing key (with --turns)
         try:
             for k, root in enumerate([*checkouts, *FLOORS, *rust]):
@@ -168,7 +212,8 @@ async def run(checkouts: list[Path | tuple[Path, dict[str, Any]]], requests: int
                         own.write_text(yaml.safe_dump(_nest({"replicas.urls": [urls[0]], **settings})))
                     argv = [sys.executable, "-m", "router", "serve", "--config", str(own), "--host", "127.0.0.1",
                             "--port", str(port), "--log-level", "WARNING"]
-                with open(work / f"router-{k}.log", "ab") as log:
+                logs[name] = work / f"router-{k}.log"
+                with open(logs[name], "ab") as log:
                     procs[name] = (subprocess.Popen(argv, cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
                                                     start_new_session=True, env={**os.environ, "PYTHONPATH": str(cwd)}),
                                    f"http://127.0.0.1:{port}")
@@ -178,7 +223,7 @@ async def run(checkouts: list[Path | tuple[Path, dict[str, Any]]], requests: int
             targets = [("direct", urls[0]), *((name, url) for name, (_, url) in procs.items())]
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
                 for name, (proc, url) in procs.items():
-                    await _ready(http, url, proc, name)
+                    await _ready(http, url, proc, name, logs[name])
                 cpu0: dict[str, tuple[float, float]] = {}
                 spy = None
                 for i in range(-warmup, requests):
@@ -253,10 +298,13 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
         if not (path / "router" / "__main__.py").is_file():
             p.error(f"{path} does not hold this repository (no router/__main__.py)")
     checkouts = [(c[0].resolve(), c[1]) if isinstance(c, tuple) else c.resolve() for c in args.checkouts]
-    result = asyncio.run(run(checkouts, args.requests, args.tokens, args.seed,
-                             spy_venv=args.py_spy.resolve() if args.py_spy else None,
-                             rust=[by_name[n] for n in args.rust], rust_venv=args.rust_venv.resolve(),
-                             turns=args.turns))
+    try:
+        result = asyncio.run(run(checkouts, args.requests, args.tokens, args.seed,
+                                 spy_venv=args.py_spy.resolve() if args.py_spy else None,
+                                 rust=[by_name[n] for n in args.rust], rust_venv=args.rust_venv.resolve(),
+                                 turns=args.turns))
+    except RuntimeError as exc:  # a router that would not start, a checkout without its extension
+        p.exit(1, f"bench.h2h.ab: {exc}\n")
     spied = result.pop("profile", None)
     what = f"{args.tokens}-token prompts" if args.turns == 1 else f"agent turns ({args.turns} per session, up to {args.tokens} tokens)"
     table = Table(title=f"Router-added latency, {args.requests} interleaved {what}, one replica "

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import re
 
 import aiohttp
 import pytest
@@ -167,12 +168,20 @@ def test_ab_runs_a_checkout_with_its_own_settings():
     from bench.h2h.routers import ROOT
 
     assert checkout("/a/b") == Path("/a/b")
+    assert checkout("/x@y/z") == Path("/x@y/z")  # an @ without a setting after it: part of the path
     assert checkout("/a@router.busy_poll_ms=50,policy.max_queue=7") == (
         Path("/a"), {"router.busy_poll_ms": 50, "policy.max_queue": 7})
-    with pytest.raises(argparse.ArgumentTypeError, match="settings are section.key=value, got 'busy_poll_ms=1'"):
-        checkout("/a@busy_poll_ms=1")
+    assert checkout("/p@q@router.x=1") == (Path("/p@q"), {"router.x": 1})
+    for bad, why in [("/a@busy_poll_ms=1", "settings are section.key=value, got 'busy_poll_ms=1'"),
+                     ("/a@router.port=1", "router.port is set by ab itself"),
+                     ("/a@router.x=[1", "the value of router.x is not YAML")]:
+        with pytest.raises(argparse.ArgumentTypeError, match=re.escape(why)):
+            checkout(bad)
     with pytest.raises(RuntimeError, match=r"2: .* router.max_body_bytes=1000 answered 413"):
         asyncio.run(run([ROOT, (ROOT, {"router.max_body_bytes": 1000})], requests=5, tokens=400, seed=3, warmup=1))
+    # a setting the router refuses: its own one-line reason, from its log
+    with pytest.raises(RuntimeError, match=r"router.busy_poll_ms=-1 exited with 2\n.*router.busy_poll_ms: must be in"):
+        asyncio.run(run([(ROOT, {"router.busy_poll_ms": -1})], requests=5, tokens=400, seed=3, warmup=1))
 
 
 def test_ab_takes_only_rust_routers_that_read_token_ids(capsys):
@@ -272,3 +281,14 @@ def test_bare_core_floor_decides_each_token_id_prompt():
             await runner.cleanup()
 
     asyncio.run(main())
+
+
+def test_ab_builds_each_checkouts_extension_or_names_the_checkout(tmp_path):
+    """A fresh worktree has no built C extension: ``ab`` builds it (a no-op when up to date, as
+    here) and checks the router would load it; a folder it cannot build in is named."""
+    from bench.h2h.ab import build_native
+    from bench.h2h.routers import ROOT
+
+    build_native(ROOT)
+    with pytest.raises(RuntimeError, match=re.escape(f"{tmp_path}: setup.py -q failed (the C extension)")):
+        build_native(tmp_path)
