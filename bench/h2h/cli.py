@@ -103,7 +103,7 @@ async def run_workloads(args: argparse.Namespace, specs: list, workloads: list[s
     rust_venv = Path(args.rust_venv).resolve()
     async with replica_process(args.replicas, result["num_blocks"], args.block_size, "fast", tokenizer,
                                logs / "replicas.log") as urls:
-        for spec in (s for s in specs if s.kind != "floor"):
+        for spec in (s for s in specs if s.workloads):
             for w in workloads:
                 on_run(f"{w:5s} {spec.name}")
                 await replica_stats(urls, reset=True)
@@ -127,7 +127,7 @@ async def main(args: argparse.Namespace) -> dict:
     result = {"args": vars(args), "num_blocks": num_blocks(args, workload_config(args)), "workloads": {},
               "latency": {}}
     workloads = [] if args.latency_only else args.workloads
-    total = sum(len(workloads) * args.budget * (s.kind != "floor") + args.latency_n for s in specs)
+    total = sum(len(workloads) * args.budget * s.workloads + args.latency_n for s in specs)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()) as bar:
         task = bar.add_task("h2h", total=total)
         tick = lambda: bar.advance(task)  # noqa: E731

@@ -26,6 +26,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import yaml
@@ -45,6 +46,11 @@ class RouterSpec:
     key_header: str | None
     text_prompts: bool = False
     """Token IDs go as spelled-out text (``bench.h2h.server.spell_ids``): its /v1/completions takes text only."""
+    settings: tuple[tuple[str, Any], ...] = ()
+    """Ours: config settings on top of the defaults, as ``("section.key", value)``."""
+    workloads: bool = True
+    """Run the workloads through it (False: the latency run only: a floor, or a setting that
+    changes no routing decision)."""
 
     def prompt(self, token_ids: list[int]) -> list[int] | str:
         """The ``prompt`` field this router is sent for ``token_ids``."""
@@ -63,6 +69,8 @@ class RouterSpec:
 
 ALL = [
     RouterSpec("ours", "ours", "default", None),
+    RouterSpec("ours busy_poll_ms=50", "ours", "default", None, settings=(("router.busy_poll_ms", 50),),
+               workloads=False),
     RouterSpec("vllm-router cache_aware", "vllm", "cache_aware", None),
     RouterSpec("vllm-router consistent_hash", "vllm", "consistent_hash", "x-session-id"),
     RouterSpec("vllm-router sticky_least_loaded", "vllm", "sticky_least_loaded", "x-session-id"),
@@ -70,7 +78,7 @@ ALL = [
     RouterSpec("sglang-router cache_aware", "sglang", "cache_aware", None, True),
     RouterSpec("sglang-router consistent_hashing", "sglang", "consistent_hashing", "x-smg-routing-key", True),
     RouterSpec("sglang-router round_robin", "sglang", "round_robin", None, True),
-    RouterSpec("aiohttp pass-through", "floor", "round_robin", None),
+    RouterSpec("aiohttp pass-through", "floor", "round_robin", None, workloads=False),
 ]
 """``aiohttp pass-through`` (``bench.h2h.passthrough``) is the latency run's floor for a Python
 router, not a router under test: no workload runs through it."""
@@ -85,7 +93,10 @@ def free_port() -> int:
 def command(spec: RouterSpec, urls: list[str], port: int, rust_venv: Path, workdir: Path) -> list[str]:
     """The argv that starts ``spec`` on ``port`` in front of ``urls``."""
     if spec.kind == "ours":
-        cfg = {"replicas": {"urls": list(urls)}, "router": {}, "policy": {}}
+        cfg: dict[str, dict[str, Any]] = {"replicas": {"urls": list(urls)}, "router": {}, "policy": {}}
+        for key, value in spec.settings:
+            section, _, name = key.partition(".")
+            cfg[section][name] = value
         path = workdir / f"ours-{port}.yaml"
         path.write_text(yaml.safe_dump(cfg))
         return [sys.executable, "-m", "router", "serve", "--config", str(path), "--host", "127.0.0.1",

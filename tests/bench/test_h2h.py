@@ -292,3 +292,17 @@ def test_ab_builds_each_checkouts_extension_or_names_the_checkout(tmp_path):
     build_native(ROOT)
     with pytest.raises(RuntimeError, match=re.escape(f"{tmp_path}: setup.py -q failed (the C extension)")):
         build_native(tmp_path)
+
+
+def test_an_ours_spec_with_settings_runs_with_them_and_only_in_the_latency_run(tmp_path):
+    """``bench.h2h``'s "ours busy_poll_ms=50": its config carries the setting (and the replicas'
+    URLs); like the floor it is in the latency run only (polling changes no routing decision)."""
+    import yaml
+
+    from bench.h2h.routers import ALL, command
+
+    spec = next(s for s in ALL if s.name == "ours busy_poll_ms=50")
+    argv = command(spec, ["http://127.0.0.1:9"], 5, tmp_path, tmp_path)
+    cfg = yaml.safe_load(open(argv[argv.index("--config") + 1]))
+    assert cfg["router"] == {"busy_poll_ms": 50} and cfg["replicas"]["urls"] == ["http://127.0.0.1:9"]
+    assert [s.name for s in ALL if not s.workloads] == ["ours busy_poll_ms=50", "aiohttp pass-through"]
