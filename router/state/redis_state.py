@@ -58,6 +58,14 @@ class RedisState:
         self.rounds = 0
         self.restarts_seen = 0
         self._marked = -1
+        self._claims = 0
+        self._held: dict[tuple[str, ...], str] = {}
+        """Address holds of servers being added through this router: their claim's owner token."""
+        self._unsure_claims: list[tuple[list[str], str]] = []
+        """Address claims that got no answer (Redis timed out), with their owner token: each sync
+        round lets them go (that claim's holds only) until Redis answers; before, a claim that
+        landed with its answer lost blocked adding that server from any router for
+        ``router.fleet.ADD_HOLD_S`` (120 s)."""
         """The newest epoch this router applied and confirmed (``marked:<id>``)."""
         self._marking: set[asyncio.Task] = set()
         self._logged: set[str] = set()
@@ -126,14 +134,27 @@ class RedisState:
     async def claim_server(self, addresses: list[str], ttl_s: float) -> bool:
         """Hold the socket addresses of a server being added (``ip:port/path``) on every router
         for ``ttl_s``; False when another router is adding a server at one of them. Raises
-        StateUnavailable."""
-        return await self.registry.claim_addresses(addresses, ttl_s, self.background_timeout_s)
+        StateUnavailable; that claim may have landed with its answer lost, so it is let go at the
+        next sync rounds Redis answers (:attr:`_unsure_claims`), not held ``ttl_s``."""
+        self._claims += 1
+        owner = f"{self.router_id}:{self._claims}"
+        try:
+            held = await self.registry.claim_addresses(addresses, owner, ttl_s, self.background_timeout_s)
+        except StateUnavailable:
+            self._unsure_claims.append((addresses, owner))
+            raise
+        if held:
+            self._held[tuple(addresses)] = owner
+        return held
 
     async def release_server(self, addresses: list[str], added: bool) -> None:
         """Let go of :meth:`claim_server`'s hold: at once when the server was not added, else after
         a few sync rounds (every router has it in its registry by then). Never raises (it expires)."""
+        owner = self._held.pop(tuple(addresses), None)
+        if owner is None:
+            return
         try:
-            await self.registry.release_addresses(addresses, 4 * max(self.sync_interval_s, 0.25) if added else 0,
+            await self.registry.release_addresses(addresses, owner, 4 * max(self.sync_interval_s, 0.25) if added else 0,
                                                   self.background_timeout_s)
         except StateUnavailable:
             pass
@@ -302,6 +323,10 @@ class RedisState:
             if await self.registry.pull(self.app, t):
                 self.versions.reapply(core)
             await self.registry.push(self.app, t)
+            while self._unsure_claims:
+                addresses, owner = self._unsure_claims[0]
+                await self.registry.release_addresses(addresses, owner, 0, t)
+                self._unsure_claims.pop(0)
             if self.versions.unreleased is not None and not self.versions.pending:
                 await self.versions.release_lock(self.versions.unreleased, timeout_s=t)
             if self._republish_all or self._reconcile or self.pins.dirty:

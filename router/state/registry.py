@@ -23,7 +23,8 @@ from replicas.auth import headers_for
 from replicas.kv_events import KvEventSource
 from replicas.replica_set import ReplicaEndpoint
 from router.state.redis_client import GuardedRedis
-from router.state.wire import CLAIM_ADDRESSES, CLAIM_REPLICA_INDEX, DROP_REPLICA, PUT_REPLICA, Keys
+from router.state.wire import (CLAIM_ADDRESSES, CLAIM_REPLICA_INDEX, DROP_REPLICA, PUT_REPLICA, RELEASE_ADDRESSES,
+                               Keys)
 
 log = logging.getLogger(__name__)
 
@@ -134,24 +135,20 @@ class RegistrySync:
         return int(await self.redis.call(lambda c: c.eval(
             CLAIM_REPLICA_INDEX, 2, self.keys.replicas, self.keys.replicas_next, floor), timeout_s=timeout_s))
 
-    async def claim_addresses(self, addresses: list[str], ttl_s: float, timeout_s: float) -> bool:
-        """Hold ``addresses`` (a server being added) for ``ttl_s`` unless another router holds
-        one of them (False). Raises StateUnavailable."""
+    async def claim_addresses(self, addresses: list[str], owner: str, ttl_s: float, timeout_s: float) -> bool:
+        """Hold ``addresses`` (a server being added) as ``owner`` (one token per claim) for
+        ``ttl_s`` unless any of them is held (False). Raises StateUnavailable."""
         keys = [self.keys.adding(a) for a in addresses]
         return bool(await self.redis.call(lambda c: c.eval(
-            CLAIM_ADDRESSES, len(keys), *keys, self.router_id, max(1, int(ttl_s * 1000))), timeout_s=timeout_s))
+            CLAIM_ADDRESSES, len(keys), *keys, owner, max(1, int(ttl_s * 1000))), timeout_s=timeout_s))
 
-    async def release_addresses(self, addresses: list[str], after_s: float, timeout_s: float) -> None:
-        """Let go of ``addresses`` ``after_s`` seconds from now (0: at once). Raises StateUnavailable."""
-        async def run(c):
-            pipe = c.pipeline(transaction=False)
-            for a in addresses:
-                if after_s > 0:
-                    pipe.pexpire(self.keys.adding(a), max(1, int(after_s * 1000)))
-                else:
-                    pipe.delete(self.keys.adding(a))
-            return await pipe.execute()
-        await self.redis.call(run, timeout_s=timeout_s)
+    async def release_addresses(self, addresses: list[str], owner: str, after_s: float, timeout_s: float) -> None:
+        """Let go of ``owner``'s holds on ``addresses`` ``after_s`` seconds from now (0: at once;
+        ``wire.RELEASE_ADDRESSES``: a hold another claim took is left alone). Raises
+        StateUnavailable."""
+        keys = [self.keys.adding(a) for a in addresses]
+        ms = max(1, int(after_s * 1000)) if after_s > 0 else 0
+        await self.redis.call(lambda c: c.eval(RELEASE_ADDRESSES, len(keys), *keys, owner, ms), timeout_s=timeout_s)
 
     async def pull(self, app, timeout_s: float) -> int:
         """Carry entries other routers wrote since the last sync into this router. Raises StateUnavailable."""

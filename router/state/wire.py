@@ -145,10 +145,21 @@ return n
 """
 
 CLAIM_ADDRESSES = """
--- KEYS: one per socket address of a server being added; ARGV: owner, ttl ms.
+-- KEYS: one per socket address of a server being added; ARGV: owner (one per claim), ttl ms.
 -- All or none: 1 when none was held (now all are, for ttl ms), else 0.
 for _, k in ipairs(KEYS) do if redis.call('EXISTS', k) == 1 then return 0 end end
 for _, k in ipairs(KEYS) do redis.call('SET', k, ARGV[1], 'PX', ARGV[2]) end
+return 1
+"""
+
+RELEASE_ADDRESSES = """
+-- KEYS: hold keys of CLAIM_ADDRESSES; ARGV: owner, ms (0: let go now, else expire in ms).
+-- Only that claim's holds: one another claim took since is left alone.
+for _, k in ipairs(KEYS) do
+  if redis.call('GET', k) == ARGV[1] then
+    if tonumber(ARGV[2]) > 0 then redis.call('PEXPIRE', k, ARGV[2]) else redis.call('DEL', k) end
+  end
+end
 return 1
 """
 

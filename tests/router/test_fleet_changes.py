@@ -414,3 +414,36 @@ async def test_two_routers_started_at_once_with_different_lists_do_not_both_star
             assert await fleet_of(url) == {"replica-0": u0, "replica-1": mine}
             release.set()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def test_a_claim_whose_answer_was_lost_does_not_hold_the_server_for_two_minutes(tmp_path):
+    # Redis hung while a router claimed a server's address: the claim timed out (503) but landed
+    # when Redis came back, and that hold refused adding the server from every router for
+    # ADD_HOLD_S (120 s). Now the claiming router lets go of it once Redis answers.
+    from tests.router.ha_redis import RedisProcess
+
+    redis = RedisProcess(tmp_path).start()
+    try:
+        async with fakes(2) as (_, (u0, u1)):
+            fast = {"redis_timeout_s": 0.1}  # background calls (the claim) time out after 1 s
+            async with router([u0], redis_url=redis.url, prefix="fc9:", **fast) as (a, _, _), \
+                    router([u0], redis_url=redis.url, prefix="fc9:", **fast) as (b, _, _):
+                redis.stop()
+                try:
+                    status, body, _ = await call("POST", a + "/admin/replicas", json={"url": u1}, headers=ADMIN)
+                finally:
+                    redis.cont()
+                assert status == 503, body  # the claim got no answer in time
+                added = None
+                for _ in range(100):  # within seconds, not the 120 s hold
+                    status, body, _ = await call("POST", b + "/admin/replicas", json={"url": u1}, headers=ADMIN)
+                    if status == 201:
+                        added = body
+                        break
+                    assert status in (400, 503), body
+                    assert status == 503 or "is being added through another router" in body["error"]["message"], body
+                    await asyncio.sleep(0.1)
+                assert added is not None and added["url"] == u1, "the lost claim still holds the server"
+    finally:
+        redis.close()
+
