@@ -14,7 +14,7 @@
  * split_ids(raw, key, also) -> (cut_start, cut_end, packed, min, max, value_start, value_end, has_also) | None
  * lane_head(data, end, max_body) -> (pairs, content_length, close) | None
  * held_run(entries, hashes, start, replica) -> int
- * surviving_run(refs, stamps, old, hashes, matched, freed, free_final) -> int
+ * surviving_run(refs, stamps, old, hashes, matched, freed, free_final[, low_freed, low_bound]) -> int
  * taken_run(refs, stamps, old, hashes) -> list[int]
  * insert_run(entries, hashes, replica) -> (stop, added)
  *
@@ -543,34 +543,63 @@ stamp_of(PyObject *dict, PyObject *key, long long *out)
 }
 
 PyDoc_STRVAR(surviving_run_doc,
-"surviving_run(refs, stamps, old, hashes, matched, freed, free_final, /)\n--\n\n"
+"surviving_run(refs, stamps, old, hashes, matched, freed, free_final, low_freed=None, low_bound=None, /)\n--\n\n"
 "``cache_policy.free_queue.FreeQueueModel.surviving`` past its replica lookup (``_surviving``\n"
 "there is its Python reference): of ``hashes[:matched]``, how many leading blocks survive.\n"
 "A block in ``refs`` (held by a request in flight) survives; else its release stamp (``stamps``,\n"
 "then ``old``; one less than the block before it when neither has one and that block had one)\n"
-"must be known and at most ``free_final`` releases old. OverflowError past 64 bits.");
+"must be known and at most ``free_final`` releases old, and not evicted at a past low point\n"
+"(``low_freed``/``low_bound``: lists of ints, ``_ReplicaQueue.evicted_before``). OverflowError\n"
+"past 64 bits.");
 
 static PyObject *
 surviving_run(PyObject *module, PyObject *args)
 {
-    PyObject *refs, *stamps, *old, *hashes;
+    PyObject *refs, *stamps, *old, *hashes, *low_freed = NULL, *low_bound = NULL;
     Py_ssize_t matched;
     long long freed, free_final;
-    if (!PyArg_ParseTuple(args, "O!O!O!OnLL:surviving_run", &PyDict_Type, &refs, &PyDict_Type, &stamps,
-                          &PyDict_Type, &old, &hashes, &matched, &freed, &free_final)) {
+    if (!PyArg_ParseTuple(args, "O!O!O!OnLL|O!O!:surviving_run", &PyDict_Type, &refs, &PyDict_Type, &stamps,
+                          &PyDict_Type, &old, &hashes, &matched, &freed, &free_final,
+                          &PyList_Type, &low_freed, &PyList_Type, &low_bound)) {
         return NULL;
     }
     PyObject **items;
     Py_ssize_t n;
     if (block_hash_items(hashes, "surviving_run", &items, &n) < 0) return NULL;
     if (matched > n) matched = n;
+    /* the past low points (FreeQueueModel.note), read once: nondecreasing counters and the
+       least stamp a block released before each needed to survive it */
+    Py_ssize_t nlow = low_freed == NULL ? 0 : PyList_GET_SIZE(low_freed);
+    if (low_freed != NULL && (low_bound == NULL || PyList_GET_SIZE(low_bound) != nlow)) {
+        PyErr_SetString(PyExc_ValueError, "surviving_run: low_freed and low_bound differ in length");
+        return NULL;
+    }
+    long long *lows = NULL;
+    if (nlow > 0) {
+        lows = PyMem_Malloc(sizeof(long long) * 2 * (size_t)nlow);
+        if (lows == NULL) return PyErr_NoMemory();
+        for (Py_ssize_t k = 0; k < nlow; k++) {
+            PyObject *a = PyList_GET_ITEM(low_freed, k), *b = PyList_GET_ITEM(low_bound, k);
+            if (!PyLong_Check(a) || !PyLong_Check(b)) {
+                PyMem_Free(lows);
+                PyErr_SetString(PyExc_TypeError, "surviving_run: a low point is not an int");
+                return NULL;
+            }
+            lows[2 * k] = PyLong_AsLongLong(a);
+            lows[2 * k + 1] = PyLong_AsLongLong(b);
+            if (PyErr_Occurred()) {
+                PyMem_Free(lows);
+                return NULL;
+            }
+        }
+    }
     int have_prev = 0;
     long long prev = 0;
     Py_ssize_t i = 0;
     for (; i < matched; i++) {
         PyObject *h = items[i];
         int held = PyDict_Contains(refs, h);
-        if (held < 0) return NULL;
+        if (held < 0) goto fail;
         if (held) {
             have_prev = 0;
             continue;
@@ -578,20 +607,32 @@ surviving_run(PyObject *module, PyObject *args)
         long long stamp;
         int found = stamp_of(stamps, h, &stamp);
         if (found == 0) found = stamp_of(old, h, &stamp);
-        if (found < 0) return NULL;
+        if (found < 0) goto fail;
         if (!found && have_prev) {
             if (prev == LLONG_MIN) {
                 PyErr_SetString(PyExc_OverflowError, "surviving_run: a stamp past 64 bits");
-                return NULL;
+                goto fail;
             }
             stamp = prev - 1;  /* an output block of the request that released the one before */
             found = 1;
         }
         if (!found || (__int128)freed - stamp > free_final) break;  /* 128 bits: no overflow */
+        if (nlow > 0) {  /* evicted at a low point since its release (_ReplicaQueue.evicted_before) */
+            Py_ssize_t lo = 0, hi = nlow;  /* bisect_right(low_freed, stamp) */
+            while (lo < hi) {
+                Py_ssize_t mid = lo + (hi - lo) / 2;
+                if (stamp < lows[2 * mid]) hi = mid; else lo = mid + 1;
+            }
+            if (lo < nlow && stamp < lows[2 * lo + 1]) break;
+        }
         prev = stamp;
         have_prev = 1;
     }
+    PyMem_Free(lows);
     return PyLong_FromSsize_t(i);
+fail:
+    PyMem_Free(lows);
+    return NULL;
 }
 
 PyDoc_STRVAR(taken_run_doc,

@@ -185,9 +185,9 @@ class FreeQueueModel:
         q = self._replicas.get(rid)
         if q is None:
             return 0
-        past = bool(q.low_bound) and q.low_bound[0] > q.freed - free_final  # a past low point is stricter
-        if NATIVE is not None and hashes.__class__ is tuple and not past:  # one C pass: a hit is ~250 blocks
-            return NATIVE.surviving_run(q.refs, q.stamps, q.old, hashes, matched, q.freed, free_final)
+        if NATIVE is not None and hashes.__class__ is tuple:  # one C pass: a hit is ~250 blocks
+            return NATIVE.surviving_run(q.refs, q.stamps, q.old, hashes, matched, q.freed, free_final,
+                                        q.low_freed, q.low_bound)
         return _surviving_py(q, hashes, matched, free_final)
 
     def freed(self, rid: ReplicaId) -> int | None:

@@ -161,17 +161,36 @@ def test_held_run_is_the_python_walk(entries, hashes, start, replica):
        stamps=st.dictionaries(st.integers(0, 30), st.integers(0, 60)),
        old=st.dictionaries(st.integers(0, 30), st.integers(0, 60)),
        hashes=st.lists(st.integers(0, 30), max_size=30), matched=st.integers(0, 35),
-       extra=st.integers(0, 10), free_final=st.integers(-5, 70))
-def test_surviving_run_is_the_python_walk(refs, stamps, old, hashes, matched, extra, free_final):
+       extra=st.integers(0, 10), free_final=st.integers(-5, 70),
+       lows=st.lists(st.tuples(st.integers(0, 70), st.integers(-10, 70)), max_size=6))
+def test_surviving_run_is_the_python_walk(refs, stamps, old, hashes, matched, extra, free_final, lows):
     from collections import Counter
 
-    from cache_policy.free_queue import _ReplicaQueue, _surviving_py
+    from cache_policy.free_queue import FreeQueueModel, _ReplicaQueue, _surviving_py
 
     freed = max([*stamps.values(), *old.values(), 0]) + extra
-    q = _ReplicaQueue(Counter(refs), stamps, old, freed)
+    q = _ReplicaQueue(Counter(refs), stamps, old, 0)
+    model = FreeQueueModel()
+    model._replicas["r0"] = q
+    for at, low_free in sorted(lows):  # past low points as FreeQueueModel.note records them (suffix maxima)
+        q.freed = max(q.freed, at)
+        model.note("r0", low_free, 10_000)
+    q.freed = max(q.freed, freed)
     want = _surviving_py(q, hashes, matched, free_final)
-    assert NATIVE.surviving_run(q.refs, stamps, old, tuple(hashes), matched, freed, free_final) == want
+    assert NATIVE.surviving_run(q.refs, stamps, old, tuple(hashes), matched, q.freed, free_final,
+                                q.low_freed, q.low_bound) == want
+    assert model.surviving("r0", tuple(hashes), matched, free_final) == want  # the path the core takes
+    if not q.low_freed:
+        assert NATIVE.surviving_run(q.refs, stamps, old, tuple(hashes), matched, q.freed, free_final) == want
     assert 0 <= want <= min(matched, len(hashes))
+
+
+@needs_native
+def test_surviving_run_refuses_low_points_that_do_not_pair():
+    with pytest.raises(ValueError, match="low_freed and low_bound differ in length"):
+        NATIVE.surviving_run({}, {}, {}, (1,), 1, 5, 5, [1, 2], [3])
+    with pytest.raises(TypeError, match="a low point is not an int"):
+        NATIVE.surviving_run({}, {}, {}, (1,), 1, 5, 5, [1.5], [3])
 
 
 def test_the_walks_on_a_hit_answer_alike_with_and_without_the_extension():
