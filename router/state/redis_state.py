@@ -58,6 +58,7 @@ class RedisState:
         self.rounds = 0
         self.restarts_seen = 0
         self._marked = -1
+        """The newest epoch this router applied and confirmed (``marked:<id>``)."""
         self._claims = 0
         self._held: dict[tuple[str, ...], str] = {}
         """Address holds of servers being added through this router: their claim's owner token."""
@@ -66,7 +67,6 @@ class RedisState:
         round lets them go (that claim's holds only) until Redis answers; before, a claim that
         landed with its answer lost blocked adding that server from any router for
         ``router.fleet.ADD_HOLD_S`` (120 s)."""
-        """The newest epoch this router applied and confirmed (``marked:<id>``)."""
         self._marking: set[asyncio.Task] = set()
         self._logged: set[str] = set()
 
