@@ -54,7 +54,7 @@ from bench.h2h import profile
 from bench.h2h.cli import replica_process
 from bench.h2h.drive import VOCAB_HI, VOCAB_LO
 from bench.h2h.latency import cpu_s, pct
-from bench.h2h.routers import ALL, ROOT, RouterSpec, command, free_port
+from bench.h2h.routers import ALL, ROOT, RouterSpec, command, free_port, nested
 
 OURS = next(s for s in ALL if s.kind == "ours")
 """The routing-key headers a checkout of this router reads (``--turns``)."""
@@ -154,15 +154,6 @@ def build_native(root: Path) -> None:
                                f"{(done.stderr or done.stdout).strip()[-500:]}")
 
 
-def _nest(settings: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """``{"router.port": 1}`` -> ``{"router": {"port": 1}}``."""
-    out: dict[str, dict[str, Any]] = {}
-    for key, value in settings.items():
-        section, _, name = key.partition(".")
-        out.setdefault(section, {})[name] = value
-    return out
-
-
 async def run(checkouts: list[Path | tuple[Path, dict[str, Any]]], requests: int, tokens: int, seed: int, warmup: int = 50,
               spy_venv: Path | None = None, rust: list[RouterSpec] = (), rust_venv: Path | None = None,
               turns: int = 1) -> dict[str, dict]:
@@ -209,7 +200,7 @@ async def _run(checkouts, requests, tokens, seed, warmup, spy_venv, rust, rust_v
                     own = config
                     if settings:
                         own = work / f"router-{k}.yaml"
-                        own.write_text(yaml.safe_dump(_nest({"replicas.urls": [urls[0]], **settings})))
+                        own.write_text(yaml.safe_dump(nested([("replicas.urls", [urls[0]]), *settings.items()])))
                     argv = [sys.executable, "-m", "router", "serve", "--config", str(own), "--host", "127.0.0.1",
                             "--port", str(port), "--log-level", "WARNING"]
                 logs[name] = work / f"router-{k}.log"

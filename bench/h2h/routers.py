@@ -26,6 +26,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Iterable
 from typing import Any
 
 import aiohttp
@@ -90,13 +91,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def nested(settings: Iterable[tuple[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Dotted config settings as YAML sections: ``[("router.port", 1)]`` -> ``{"router": {"port": 1}}``."""
+    out: dict[str, dict[str, Any]] = {}
+    for key, value in settings:
+        section, _, name = key.partition(".")
+        out.setdefault(section, {})[name] = value
+    return out
+
+
 def command(spec: RouterSpec, urls: list[str], port: int, rust_venv: Path, workdir: Path) -> list[str]:
     """The argv that starts ``spec`` on ``port`` in front of ``urls``."""
     if spec.kind == "ours":
-        cfg: dict[str, dict[str, Any]] = {"replicas": {"urls": list(urls)}, "router": {}, "policy": {}}
-        for key, value in spec.settings:
-            section, _, name = key.partition(".")
-            cfg[section][name] = value
+        cfg = nested([("replicas.urls", list(urls)), *spec.settings])
         path = workdir / f"ours-{port}.yaml"
         path.write_text(yaml.safe_dump(cfg))
         return [sys.executable, "-m", "router", "serve", "--config", str(path), "--host", "127.0.0.1",
