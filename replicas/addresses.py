@@ -18,8 +18,10 @@ import yarl
 RESOLVE_TIMEOUT_S = 5.0
 
 Address = frozenset[tuple[str, int, str]]
-"""Where a URL leads: ``{(host, port, path)}``, one per address its host resolves to (``host``:
-:func:`host_key` of the address)."""
+"""Where a URL leads: ``{(host, port, path)}``: per address its host resolves to, the address
+itself (an IPv4-mapped IPv6 one as its IPv4) and, where it differs, its :func:`host_key`. Two
+URLs reach one server when their sets meet; the sets are also the claim keys routers on other
+machines compare (``router.state``), where the plain address is the one they share."""
 
 THIS_HOST = "this-host"
 """:func:`host_key` of every address that reaches this machine itself."""
@@ -33,15 +35,23 @@ def host_key(ip: str) -> str:
     (one it can bind): a server listening on all of them is one server however it is reached.
     Two servers on one port of one machine, each bound to another local address, would read as
     one (refused: the safe side)."""
-    try:
-        address = ipaddress.ip_address(ip.split("%", 1)[0])
-    except ValueError:
+    address = _address(ip)
+    if address is None:
         return ip
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped
     if address.is_loopback or address.is_unspecified or _local(address):
         return THIS_HOST
     return str(address)
+
+
+def _address(ip: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """``ip`` without an IPv6 scope, an IPv4-mapped IPv6 address as its IPv4; None if no address."""
+    try:
+        address = ipaddress.ip_address(ip.split("%", 1)[0])
+    except ValueError:
+        return None
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    return address
 
 
 @functools.lru_cache(maxsize=256)
@@ -83,9 +93,9 @@ def canonical_url(text: str) -> str:
 
 
 async def resolve(url: str, timeout_s: float = RESOLVE_TIMEOUT_S) -> Address:
-    """Where ``url`` (canonical) leads, as ``{(host_key(ip), port, path)}`` (:func:`host_key`:
-    ``localhost``, ``0.0.0.0``, ``[::ffff:127.0.0.1]`` and this machine's own addresses are one
-    host); ``OSError`` when its host does not resolve within ``timeout_s``."""
+    """Where ``url`` (canonical) leads (:data:`Address`: ``localhost``, ``0.0.0.0``,
+    ``[::ffff:127.0.0.1]`` and this machine's own addresses all meet in :data:`THIS_HOST`);
+    ``OSError`` when its host does not resolve within ``timeout_s``."""
     u = yarl.URL(url)
     port = u.port or (443 if u.scheme == "https" else 80)
     try:
@@ -96,4 +106,10 @@ async def resolve(url: str, timeout_s: float = RESOLVE_TIMEOUT_S) -> Address:
     except UnicodeError as exc:
         raise OSError(f"{u.host}: {exc}") from None
     path = u.path.rstrip("/")
-    return frozenset((host_key(info[4][0]), int(info[4][1]), path) for info in infos)
+    out = set()
+    for info in infos:
+        ip, port = info[4][0], int(info[4][1])
+        address = _address(ip)
+        out.add((ip if address is None else str(address), port, path))
+        out.add((host_key(ip), port, path))
+    return frozenset(out)

@@ -32,4 +32,16 @@ def test_spellings_of_one_local_server_resolve_alike():
         return [await resolve(u) for u in ("http://localhost:8000/v1/", "http://0.0.0.0:8000/v1/",
                                            "http://[::ffff:127.0.0.1]:8000/v1/")]
     got = asyncio.run(both())
-    assert all(a == {(THIS_HOST, 8000, "/v1")} for a in got), got
+    assert all((THIS_HOST, 8000, "/v1") in a for a in got), got  # they meet
+    assert ("0.0.0.0", 8000, "/v1") in got[1] and ("127.0.0.1", 8000, "/v1") in got[2]  # and keep the plain address
+
+
+def test_an_address_of_this_machine_keeps_its_plain_form_for_routers_elsewhere():
+    # a router on another machine resolves this machine's address to the plain address only:
+    # the two routers' claim keys must still meet there
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect(("192.0.2.1", 9))
+        own = probe.getsockname()[0]
+    here = asyncio.run(resolve(f"http://{own}:8000"))
+    assert {(own, 8000, ""), (THIS_HOST, 8000, "")} <= here
+    assert asyncio.run(resolve("http://192.0.2.7:8000")) == {("192.0.2.7", 8000, "")}
