@@ -28,8 +28,8 @@ from collections.abc import Callable
 class BusyPoll:
     """Keeps the running event loop polling for ``window_s`` seconds after each :meth:`kick`.
 
-    ``count(seconds)``: told the wall-clock seconds spent polling, as they pass (at each kick and
-    when a poll ends: ``rollout_router_busy_poll_seconds``). Event-loop only; ``window_s`` > 0
+    ``count(seconds)``: told the wall-clock seconds spent polling (when a poll ends, and up to now
+    at :meth:`count_now`: ``rollout_router_busy_poll_seconds``). Event-loop only; ``window_s`` > 0
     (0 turns busy polling off: build none)."""
 
     def __init__(self, window_s: float, count: Callable[[float], None] = lambda _: None) -> None:
@@ -50,9 +50,7 @@ class BusyPoll:
         """Poll until ``window_s`` from now (a request ended)."""
         now = time.monotonic()
         self._until = now + self.window_s
-        if self.polling:
-            self.count_now(now)
-        elif not self._closed:
+        if not self.polling and not self._closed:
             self.polling, self._counted_to = True, now
             if self._loop is None:
                 self._loop = asyncio.get_running_loop()
