@@ -176,3 +176,72 @@ def test_serve_holds_its_port_from_before_the_replicas_start():
             _reserve_port("127.0.0.1", port)
     with pytest.raises(OSError, match="router.host 'no-such-host.invalid' cannot be bound"):
         _reserve_port("no-such-host.invalid", 0)
+
+
+class _Exec(Exception):
+    """Raised by the stand-in for ``os.execve``: what the router would have started."""
+
+
+def _no_exec(path, argv, env):
+    raise _Exec(path, list(argv), dict(env))
+
+
+@pytest.mark.parametrize("given", ["glibc.malloc.arena_max=4", None])
+def test_huge_pages_start_the_router_again_with_glibcs_switch_and_then_give_back_the_environment(monkeypatch, given):
+    # router.huge_pages: glibc reads GLIBC_TUNABLES only as a process starts, so serve starts
+    # itself again with the switch added; the started process puts back what it was given, so the
+    # processes it starts (Ray, vLLM) do not inherit the switch
+    import os
+    import sys
+
+    import router.cli as cli
+
+    monkeypatch.setattr(cli, "_thp_mode", lambda: "madvise")
+    monkeypatch.setattr(cli.platform, "libc_ver", lambda: ("glibc", "2.36"))
+    monkeypatch.setattr(cli.os, "execve", _no_exec)
+    if given is None:
+        monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    else:
+        monkeypatch.setenv("GLIBC_TUNABLES", given)
+    with pytest.raises(_Exec) as started:
+        cli._huge_pages_exec()
+    path, argv, env = started.value.args
+    assert (path, argv) == (sys.executable, sys.orig_argv)
+    expected = "glibc.malloc.hugetlb=1" if given is None else f"{given}:glibc.malloc.hugetlb=1"
+    assert env["GLIBC_TUNABLES"] == expected
+    for key in set(env) - {"GLIBC_TUNABLES", "ROLLOUT_ROUTER_GIVEN_GLIBC_TUNABLES"}:
+        assert env[key] == os.environ[key]
+    # the started process: its environment is env; it puts back the one it was given
+    monkeypatch.setattr(cli.os, "environ", dict(env))
+    assert cli._given_environment() is True
+    assert cli.os.environ.get("GLIBC_TUNABLES") == given
+    assert "ROLLOUT_ROUTER_GIVEN_GLIBC_TUNABLES" not in cli.os.environ
+    assert cli._given_environment() is False  # a process started plainly
+
+
+@pytest.mark.parametrize("mode, libc, given", [("never", "glibc", None), (None, "glibc", None),
+                                               ("madvise", "", None),
+                                               ("always", "glibc", "glibc.malloc.hugetlb=0")])
+def test_huge_pages_start_nothing_where_they_would_not_take_effect(monkeypatch, mode, libc, given):
+    # no THP (or no sysfs file), not glibc (musl), or the user chose the tunable already
+    import router.cli as cli
+
+    monkeypatch.setattr(cli, "_thp_mode", lambda: mode)
+    monkeypatch.setattr(cli.platform, "libc_ver", lambda: (libc, "1"))
+    monkeypatch.setattr(cli.os, "execve", _no_exec)
+    if given is None:
+        monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    else:
+        monkeypatch.setenv("GLIBC_TUNABLES", given)
+    cli._huge_pages_exec()  # returns: no _Exec
+
+
+def test_thp_mode_reads_the_bracketed_choice(tmp_path):
+    from router.cli import _thp_mode
+
+    path = tmp_path / "enabled"
+    path.write_text("always [madvise] never\n")
+    assert _thp_mode(str(path)) == "madvise"
+    path.write_text("garbage\n")
+    assert _thp_mode(str(path)) is None
+    assert _thp_mode(str(tmp_path / "absent")) is None
