@@ -115,6 +115,15 @@ class PolicyConfig:
     """Consecutive failed dispatches (after a retry on a fresh connection) that take a replica out
     of rotation until it answers again; a refused connection takes it out at once."""
 
+    stall_timeout_s: float = 60.0
+    """A replica whose engine holds requests (running or waiting, by its ``/metrics``) but has
+    finished no token of any (``vllm:prompt_tokens_total`` and ``vllm:generation_tokens_total``
+    both still) for this long is stalled: a hung GPU or engine core behind an API server that
+    still answers ``/health`` and ``/metrics`` (vLLM's health check reports only a dead engine).
+    It leaves rotation and its requests in flight run on another replica at once, until its
+    counters move again or it holds nothing; a replica in a weight update is never stalled.
+    Longer than any one engine step (a long prefill on a slow host); 0: off."""
+
     key_ttl_s: float = 3600.0
     """A session's or group's record (pin, start version) unseen for longer than this, with
     nothing in flight, is forgotten; a keep+salt session keeps its start version until then."""
@@ -135,6 +144,7 @@ class PolicyConfig:
         _at_least(self, "max_index_blocks", 1)
         _at_least(self, "max_pins", 1)
         _at_least(self, "failures_out_of_rotation", 1)
+        _at_least(self, "stall_timeout_s", 0)
         _at_least(self, "move_queue_cost_tokens", 0)
         _positive(self, "predicted_ttl_s")
         _positive(self, "balance_window_s")

@@ -92,6 +92,9 @@ class ReplicaLoad:
     num_waiting: int = 0
     num_gpu_blocks: int = 0
     num_preemptions: int = 0
+    finished_tokens: int = 0
+    """Counter: prompt plus generated tokens the engine has finished (``vllm:prompt_tokens_total``
+    + ``vllm:generation_tokens_total``): whether it makes progress (``DecisionCore.stalled``)."""
 
 
 @dataclass
@@ -106,6 +109,13 @@ class ReplicaRecord:
     load: ReplicaLoad = field(default_factory=ReplicaLoad)
     failures: int = 0
     """Consecutive failed dispatches (reset by an answer)."""
+    busy: bool = False
+    """At the last scrape it held work: requests running or waiting by its metrics, or requests
+    of this router in flight there."""
+    progress_at: float | None = None
+    """When a scrape last began that showed the engine's ``finished_tokens`` moved, or followed one
+    that showed it idle, or found the replica in a weight update: since then it held work and
+    finished nothing (``DecisionCore.stalled``). None before the first scrape."""
     incarnation: int = 0
     """Which joining or restart of the replica this is (unique in the core, never reused)."""
 
@@ -246,6 +256,7 @@ class DecisionCore:
         if rec is None:
             return
         rec.num_gpu_blocks, rec.scoring_cap, rec.load = num_gpu_blocks, scoring_cap, ReplicaLoad()
+        rec.progress_at, rec.busy = None, False
         rec.incarnation = next(self._incarnations)
         self._changed.add(rid)
         self.policy.on_cache_reset(rid)
@@ -274,9 +285,28 @@ class DecisionCore:
         """A scrape that began at ``scrape_started_at`` shows every request admitted before it."""
         rec = self.replicas.get(rid)
         if rec is not None:
+            if (rec.progress_at is None or not rec.busy or load.finished_tokens != rec.load.finished_tokens
+                    or rid in self.versions.rotation):
+                rec.progress_at = scrape_started_at
+            # an engine hung while idle still shows its last numbers (vLLM updates them from engine
+            # steps): the requests this router has in flight there count as held work too
+            rec.busy = load.num_running + load.num_waiting > 0 or self.admission.ledger.count(rid) > 0
             rec.load = load
             self._changed.add(rid)
             self.admission.ledger.scraped(rid, scrape_started_at)
+
+    def stalled(self, rid: ReplicaId, now: float) -> bool:
+        """Whether ``rid``'s engine has held requests for ``policy.stall_timeout_s`` seconds up to
+        ``now`` without finishing a token of any (by the scrapes given to :meth:`observe_load`;
+        see ``PolicyConfig.stall_timeout_s``). False for an unknown replica, one in a weight
+        update (out of rotation: its engine is paused on purpose), or with the rule off. Not
+        sticky: once its requests are taken back and its metrics show none, the next scrape
+        puts it back, and the next request sent there shows whether it still hangs (a
+        half-open breaker with a period of the timeout)."""
+        rec = self.replicas.get(rid)
+        timeout = self.cfg.stall_timeout_s
+        return (rec is not None and timeout > 0 and rec.busy and rec.progress_at is not None
+                and rid not in self.versions.rotation and now - rec.progress_at >= timeout)
 
     def cache_reset(self, rid: ReplicaId) -> None:
         """``rid``'s prefix cache was emptied (a confirmed reset): predict no hits there; its

@@ -170,6 +170,9 @@ class RouterMetrics:
                               "KV cache usage (0..1) last scraped from the replica", ["replica"], registry=r)
         self.healthy = Gauge("rollout_router_replica_healthy", "1 if the replica is in rotation", ["replica"],
                              registry=r)
+        self.stalls = Counter("rollout_router_replica_stalls", "Times a replica's engine was found stalled (held "
+                              "requests, finished no token for policy.stall_timeout_s) and taken out of rotation",
+                              ["replica"], registry=r)
         self.latency = Histogram("rollout_router_request_seconds", "End-to-end request latency, by endpoint",
                                  ["endpoint"], registry=r,
                                  buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))

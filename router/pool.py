@@ -25,7 +25,9 @@ class ReplicaState:
     scrape_failures: int = 0
     """Consecutive failed metrics scrapes (reset by a good one)."""
     silent: bool = False
-    """Its last scrape got no answer in time (a hung engine; not one that answered an error)."""
+    """Its last scrape got no answer in time, or showed its engine stalled
+    (``DecisionCore.stalled``): hung, not one that answered an error. Its requests in flight are
+    taken back when it leaves rotation so (``router.app._scrape_loop``)."""
 
 
 class ReplicaPool:

@@ -27,7 +27,9 @@ FAILURES_OUT_OF_ROTATION = 3
 async def scrape_once(http: aiohttp.ClientSession, state: ReplicaState, core: DecisionCore,
                       metrics: RouterMetrics, started_at: float) -> None:
     """Fetch one replica's metrics into ``state`` and the core. A refused connection, or
-    ``FAILURES_OUT_OF_ROTATION`` failed scrapes in a row, mark it unhealthy until it answers again."""
+    ``FAILURES_OUT_OF_ROTATION`` failed scrapes in a row, mark it unhealthy until it answers again;
+    so does an engine the core finds stalled (``DecisionCore.stalled``: holding requests, finishing
+    no token), until it no longer is (counted in ``rollout_router_replica_stalls_total``)."""
     rid = state.endpoint.replica_id
     timeout = aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT_S)
     healthy = core.replicas[rid].healthy if rid in core.replicas else True
@@ -45,10 +47,16 @@ async def scrape_once(http: aiohttp.ClientSession, state: ReplicaState, core: De
             core.set_health(rid, False)
     else:
         state.metrics = m
-        state.scrape_failures, state.silent = 0, False
-        core.set_health(rid, True)
+        state.scrape_failures = 0
         core.observe_load(rid, ReplicaLoad(m.kv_cache_usage, m.num_running, m.num_waiting, m.num_gpu_blocks,
-                                           m.num_preemptions), started_at)
+                                           m.num_preemptions, m.prompt_tokens + m.generation_tokens), started_at)
+        state.silent = core.stalled(rid, started_at)
+        if state.silent and healthy:
+            metrics.stalls.labels(rid).inc()
+            log.warning("replica %s: its engine holds %d request(s) but finished no token for %g s (stalled), "
+                        "out of rotation until its counters move", rid, m.num_running + m.num_waiting,
+                        core.cfg.stall_timeout_s)
+        core.set_health(rid, not state.silent)
         if metrics.live(rid):  # (one that left while its scrape was under way has no gauges)
             metrics.kv_usage.labels(rid).set(m.kv_cache_usage)
     metrics.healthy.labels(rid).set(1 if rid in core.replicas and core.replicas[rid].healthy else 0)

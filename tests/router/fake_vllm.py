@@ -7,7 +7,10 @@ of ``block_size`` tokens are cached by prefix, and the prompt's last token is al
 so a repeated prompt of ``L`` tokens reports ``(L - 1) // block_size * block_size`` cached tokens.
 An ID outside ``[0, vocab_size)`` gets vLLM 0.32's 400 (``renderers/base.py``
 ``validate_token_ids``: a null ``param``). ``delay_s`` makes each completion take that long;
-``hang()`` makes every request wait until ``resume()`` (a SIGSTOPped engine, as clients see it).
+``hang()`` makes every request wait until ``resume()`` (a SIGSTOPped server, as clients see it);
+``stall()`` makes completions wait while ``/health`` and ``/metrics`` still answer (a hung engine
+behind a live API server). ``/metrics`` reports the completions held as
+``vllm:num_requests_running`` and the tokens of those answered in the token counters.
 """
 
 from __future__ import annotations
@@ -43,8 +46,11 @@ class FakeVllm:
         self._cached: set[tuple[int, ...]] = set()
         self.delay_s = 0.0
         self.in_flight = 0
+        self.prompt_tokens = self.generation_tokens = 0
         self._running = asyncio.Event()
         self._running.set()
+        self._engine = asyncio.Event()
+        self._engine.set()
 
     def hang(self) -> None:
         """Every request from now on waits (answers nothing) until :meth:`resume`."""
@@ -52,6 +58,12 @@ class FakeVllm:
 
     def resume(self) -> None:
         self._running.set()
+        self._engine.set()
+
+    def stall(self) -> None:
+        """Completions from now on wait (none answered, none counted) until :meth:`resume`;
+        ``/health`` and ``/metrics`` still answer."""
+        self._engine.clear()
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -67,7 +79,10 @@ class FakeVllm:
 
     async def _metrics(self, _: web.Request) -> web.Response:
         await self._running.wait()
-        return web.Response(text=self.page)
+        text = re.sub(r"(?m)^(vllm:num_requests_running\{[^}]*\}) .*$", rf"\1 {self.in_flight}.0", self.page)
+        text = re.sub(r"(?m)^(vllm:prompt_tokens_total\{[^}]*\}) .*$", rf"\1 {self.prompt_tokens}.0", text)
+        text = re.sub(r"(?m)^(vllm:generation_tokens_total\{[^}]*\}) .*$", rf"\1 {self.generation_tokens}.0", text)
+        return web.Response(text=text)
 
     async def _models(self, _: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [
@@ -88,6 +103,7 @@ class FakeVllm:
         self.in_flight += 1
         try:
             await self._running.wait()
+            await self._engine.wait()
             await asyncio.sleep(self.delay_s)
         finally:
             self.in_flight -= 1
@@ -97,6 +113,8 @@ class FakeVllm:
             return web.json_response({"error": {"message": f"Token id {bad} is out of vocabulary",
                                                 "type": "BadRequestError", "param": None, "code": 400}}, status=400)
         cached = self._prefill(prompt)
+        self.prompt_tokens += len(prompt)
+        self.generation_tokens += 1
         usage = {"prompt_tokens": len(prompt), "completion_tokens": 1, "total_tokens": len(prompt) + 1,
                  "prompt_tokens_details": {"cached_tokens": cached}}
         head = {"id": f"cmpl-{len(self.bodies)}", "object": "text_completion", "model": body["model"]}

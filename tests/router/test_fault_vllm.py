@@ -15,6 +15,7 @@ received.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 import time
@@ -162,6 +163,37 @@ def _check_no_duplicate_decodes(load: MixedLoad, before: dict[str, int], after: 
         received = sum(r.decoded for r in load.served_by(rid, after=back_at if rid == victim else -1e18))
         decoded = after[rid] - (0 if rid == victim else before[rid])
         assert decoded == received, (rid, decoded, received)
+
+
+async def test_an_engine_hung_behind_its_live_api_server_is_noticed_and_its_turn_run_elsewhere(fleet):
+    # the engine core and worker SIGSTOPped, the API server live: /health and /metrics still
+    # answer (vLLM's health check reports only a dead engine), so neither the supervisor nor the
+    # scrapes see it; the router does, from a request held there and counters standing still
+    # (policy.stall_timeout_s, 3 s here), and runs the turn on the other replica
+    core, stalls = fleet.app[keys.CORE], fleet.app[keys.METRICS].stalls
+    saved = core.cfg
+    core.cfg = dataclasses.replace(saved, stall_timeout_s=3.0)
+    headers = {"X-Session-Id": "hung-engine-1"}
+    body = {"prompt": [(37 * i + 11) % 500 + 5 for i in range(120)], "max_tokens": 8}
+    try:
+        async with fleet.http.post(fleet.url + "/v1/completions", json=body, headers=headers) as r:
+            assert r.status == 200, await r.text()
+            pinned = r.headers["X-Rollout-Replica"]
+        other = next(e.replica_id for e in fleet.rs.endpoints if e.replica_id != pinned)
+        async with EngineBrake((await fleet.rs.info(pinned)).pid) as brake:
+            brake.hold()
+            t0 = time.monotonic()
+            async with fleet.http.post(fleet.url + "/v1/completions", json={**body, "prompt": body["prompt"] + [7, 8]},
+                                       headers=headers) as r:
+                assert r.status == 200, await r.text()
+                took, replica = time.monotonic() - t0, r.headers["X-Rollout-Replica"]
+                answer = await r.json()
+        await _until(lambda: core.replicas[pinned].healthy, 60, f"{pinned} back in rotation once released")
+    finally:
+        core.cfg = saved
+    assert replica == other and answer["choices"][0]["text"] is not None, answer
+    assert 3.0 <= took < 60, took  # held for the stall timeout, then run elsewhere (not request_timeout_s)
+    assert stalls.labels(pinned)._value.get() == 1  # found stalled once
 
 
 async def test_api_server_sigkilled_under_load(fleet):
