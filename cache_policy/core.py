@@ -58,6 +58,10 @@ took the job back before anything reached the client, or its replica's version c
 it ran: placed again, on the same replica too, no failure counted); ``cancelled`` (the client
 went away); ``failed`` (any other error after dispatch)."""
 
+MAX_STALL_TIMEOUTS = 8
+"""A stalled replica stays out ``stall_timeout_s`` times 1, 2, 4, then at most this, for each stall
+in a row without a token finished (``DecisionCore._watch_progress``)."""
+
 
 class RequestSpec(msgspec.Struct, frozen=True):
     """One parsed request, as the core needs it.
@@ -116,6 +120,10 @@ class ReplicaRecord:
     """When a scrape last began that showed the engine's ``finished_tokens`` moved, or followed one
     that showed it idle, or found the replica in a weight update: since then it held work and
     finished nothing (``DecisionCore.stalled``). None before the first scrape."""
+    stalls: int = 0
+    """Stalls in a row, with no token finished since the first."""
+    stalled_until: float | None = None
+    """The present (or last) stall ends then, unless a token moves first."""
     incarnation: int = 0
     """Which joining or restart of the replica this is (unique in the core, never reused)."""
 
@@ -256,7 +264,7 @@ class DecisionCore:
         if rec is None:
             return
         rec.num_gpu_blocks, rec.scoring_cap, rec.load = num_gpu_blocks, scoring_cap, ReplicaLoad()
-        rec.progress_at, rec.busy = None, False
+        rec.progress_at, rec.busy, rec.stalls, rec.stalled_until = None, False, 0, None
         rec.incarnation = next(self._incarnations)
         self._changed.add(rid)
         self.policy.on_cache_reset(rid)
@@ -282,31 +290,46 @@ class DecisionCore:
             self._drop_queue(rid)
 
     def observe_load(self, rid: ReplicaId, load: ReplicaLoad, scrape_started_at: float) -> None:
-        """A scrape that began at ``scrape_started_at`` shows every request admitted before it."""
+        """A scrape that began at ``scrape_started_at`` shows every request admitted before it; it
+        also tells whether the engine makes progress (:meth:`stalled`)."""
         rec = self.replicas.get(rid)
         if rec is not None:
-            if (rec.progress_at is None or not rec.busy or load.finished_tokens != rec.load.finished_tokens
-                    or rid in self.versions.rotation):
-                rec.progress_at = scrape_started_at
-            # an engine hung while idle still shows its last numbers (vLLM updates them from engine
-            # steps): the requests this router has in flight there count as held work too
-            rec.busy = load.num_running + load.num_waiting > 0 or self.admission.ledger.count(rid) > 0
+            self._watch_progress(rec, load, scrape_started_at)
             rec.load = load
             self._changed.add(rid)
             self.admission.ledger.scraped(rid, scrape_started_at)
 
+    def _watch_progress(self, rec: ReplicaRecord, load: ReplicaLoad, now: float) -> None:
+        """The stall rule (``PolicyConfig.stall_timeout_s``) at one scrape. Finished tokens that
+        moved end a stall at once; holding work with none moving for the timeout starts one, for
+        the timeout, doubled for each stall in a row without progress since (at most 8 timeouts):
+        an engine hung while idle shows no work once its requests are taken back, so it comes
+        back after its stall and the next request sent there tells whether it still hangs (a
+        half-open breaker), less often each time."""
+        rid, timeout = rec.replica_id, self.cfg.stall_timeout_s
+        moved = load.finished_tokens != rec.load.finished_tokens
+        if moved:
+            rec.stalls, rec.stalled_until = 0, None
+        if rec.progress_at is None or not rec.busy or moved or rid in self.versions.rotation:
+            rec.progress_at = now
+        # an engine hung while idle still shows its last numbers (vLLM updates them from engine
+        # steps): the requests this router has in flight there count as held work too
+        rec.busy = load.num_running + load.num_waiting > 0 or self.admission.ledger.count(rid) > 0
+        if (timeout > 0 and rec.busy and now - rec.progress_at >= timeout and rid not in self.versions.rotation
+                and (rec.stalled_until is None or now >= rec.stalled_until)):
+            rec.stalls += 1
+            rec.stalled_until = now + timeout * min(2 ** (rec.stalls - 1), MAX_STALL_TIMEOUTS)
+
     def stalled(self, rid: ReplicaId, now: float) -> bool:
-        """Whether ``rid``'s engine has held requests for ``policy.stall_timeout_s`` seconds up to
-        ``now`` without finishing a token of any (by the scrapes given to :meth:`observe_load`;
-        see ``PolicyConfig.stall_timeout_s``). False for an unknown replica, one in a weight
-        update (out of rotation: its engine is paused on purpose), or with the rule off. Not
-        sticky: once its requests are taken back and its metrics show none, the next scrape
-        puts it back, and the next request sent there shows whether it still hangs (a
-        half-open breaker with a period of the timeout)."""
+        """Whether ``rid``'s engine is stalled at ``now``: by the scrapes given to
+        :meth:`observe_load`, it held requests for ``policy.stall_timeout_s`` seconds without
+        finishing a token of any (a hung engine behind a live API server), and neither has a
+        token moved since nor its stall ended (:meth:`_watch_progress`). False for an unknown
+        replica, one in a weight update (out of rotation: its engine is paused on purpose), or
+        with the rule off (``stall_timeout_s`` 0)."""
         rec = self.replicas.get(rid)
-        timeout = self.cfg.stall_timeout_s
-        return (rec is not None and timeout > 0 and rec.busy and rec.progress_at is not None
-                and rid not in self.versions.rotation and now - rec.progress_at >= timeout)
+        return (rec is not None and rec.stalled_until is not None and now < rec.stalled_until
+                and self.cfg.stall_timeout_s > 0 and rid not in self.versions.rotation)
 
     def cache_reset(self, rid: ReplicaId) -> None:
         """``rid``'s prefix cache was emptied (a confirmed reset): predict no hits there; its

@@ -1,12 +1,14 @@
 """``DecisionCore.stalled``: an engine that holds requests and finishes no token for
-``policy.stall_timeout_s`` (a hung engine behind a live API server), from scrapes alone."""
+``policy.stall_timeout_s`` (a hung engine behind a live API server), from scrapes alone; out for
+the timeout, doubled per stall in a row (at most ``MAX_STALL_TIMEOUTS``), back at once when a
+token moves."""
 
 from __future__ import annotations
 
 import pytest
 
 from cache_policy.config import PolicyConfig
-from cache_policy.core import DecisionCore, ReplicaLoad
+from cache_policy.core import MAX_STALL_TIMEOUTS, DecisionCore, ReplicaLoad, RequestSpec
 
 
 def core(timeout_s: float = 10.0) -> DecisionCore:
@@ -19,25 +21,49 @@ def load(running: int, tokens: int, waiting: int = 0) -> ReplicaLoad:
     return ReplicaLoad(0.1, running, waiting, 100, 0, tokens)
 
 
-def test_holding_work_with_frozen_counters_for_the_timeout_is_a_stall():
+def test_holding_work_with_frozen_counters_for_the_timeout_is_a_stall_and_a_token_ends_it():
     c = core()
     c.observe_load("r0", load(2, 500), 0.0)
     c.observe_load("r0", load(2, 500), 9.0)
     assert not c.stalled("r0", 9.9)
-    c.observe_load("r0", load(2, 500), 10.0)
-    assert c.stalled("r0", 10.0)  # 10 s since the scrape that last saw progress
-    c.observe_load("r0", load(2, 501), 11.0)  # one token: moving again
-    assert not c.stalled("r0", 11.0) and not c.stalled("r0", 20.9) and c.stalled("r0", 21.0)
+    c.observe_load("r0", load(2, 500), 10.0)  # 10 s since the scrape that last saw progress
+    assert c.stalled("r0", 10.0) and c.stalled("r0", 19.9) and not c.stalled("r0", 20.0)
+    c.observe_load("r0", load(2, 501), 11.0)  # one token: moving again, back at once
+    assert not c.stalled("r0", 11.0)
+    c.observe_load("r0", load(2, 501), 20.9)
+    assert not c.stalled("r0", 20.9)
+    c.observe_load("r0", load(2, 501), 21.0)
+    assert c.stalled("r0", 21.0) and not c.stalled("r0", 31.0)  # a first stall again: one timeout
 
 
-@pytest.mark.parametrize("running, waiting", [(0, 0)])
-def test_an_idle_engine_is_never_stalled_however_long_its_counters_stand(running, waiting):
+def test_stalls_in_a_row_without_progress_double_the_time_out_up_to_the_cap():
+    # an engine hung while idle, scraped every second: while it is out it holds nothing (its
+    # requests were taken back), once back a request is sent there and hangs; it is out for 10,
+    # 20, 40, 80, 80, ... s, back for a timeout between
+    c = core()
+    runs, out_since = [], None
+    for t in range(0, 900):
+        c.observe_load("r0", load(0 if c.stalled("r0", float(t)) else 1, 7), float(t))
+        out = c.stalled("r0", float(t))
+        if out and out_since is None:
+            out_since = t
+        elif not out and out_since is not None:
+            runs.append(t - out_since)
+            out_since = None
+    assert runs[:4] == [10, 20, 40, 80], runs
+    assert runs[4:] == [10 * MAX_STALL_TIMEOUTS] * len(runs[4:]) and len(runs) >= 6, runs
+
+
+def test_an_idle_engine_is_never_stalled_however_long_its_counters_stand():
     c = core()
     for t in range(0, 100, 5):
-        c.observe_load("r0", load(running, 500, waiting), float(t))
+        c.observe_load("r0", load(0, 500), float(t))
     assert not c.stalled("r0", 100.0)
     c.observe_load("r0", load(0, 500, 3), 101.0)  # waiting requests count as held work
-    assert not c.stalled("r0", 110.0) and c.stalled("r0", 111.0)
+    c.observe_load("r0", load(0, 500, 3), 110.0)
+    assert not c.stalled("r0", 110.0)
+    c.observe_load("r0", load(0, 500, 3), 111.0)
+    assert c.stalled("r0", 111.0)
 
 
 def test_a_replica_in_a_weight_update_is_paused_on_purpose_not_stalled():
@@ -45,19 +71,29 @@ def test_a_replica_in_a_weight_update_is_paused_on_purpose_not_stalled():
     c.observe_load("r0", load(1, 7), 0.0)
     c.set_rotation("r0", "updating")
     c.observe_load("r0", load(1, 7), 30.0)
-    assert not c.stalled("r0", 35.0)
+    assert not c.stalled("r0", 30.0)
     c.set_rotation("r0", None)  # back: the timeout counts from its last scrape in the update
     c.observe_load("r0", load(1, 7), 36.0)
-    assert not c.stalled("r0", 39.9) and c.stalled("r0", 40.0)
+    c.observe_load("r0", load(1, 7), 39.9)
+    assert not c.stalled("r0", 39.9)
+    c.observe_load("r0", load(1, 7), 40.0)
+    assert c.stalled("r0", 40.0)
+    c.set_rotation("r0", "updating")  # an update begun meanwhile: its pause is on purpose
+    assert not c.stalled("r0", 41.0)
 
 
 def test_a_restart_starts_the_count_again_and_unknown_replicas_and_the_rule_off_say_no():
     c = core()
     c.observe_load("r0", load(1, 7), 0.0)
+    c.observe_load("r0", load(1, 7), 10.0)
+    assert c.stalled("r0", 10.0)
     c.restarted("r0", num_gpu_blocks=100)
-    assert not c.stalled("r0", 50.0)  # no scrape since the restart
-    c.observe_load("r0", load(1, 7), 50.0)  # counters from the new engine: the first scrape starts the count
-    assert not c.stalled("r0", 59.0) and c.stalled("r0", 60.0)
+    assert not c.stalled("r0", 10.0)  # a new engine
+    c.observe_load("r0", load(1, 7), 50.0)  # its first scrape starts the count
+    c.observe_load("r0", load(1, 7), 59.0)
+    assert not c.stalled("r0", 59.0)
+    c.observe_load("r0", load(1, 7), 60.0)
+    assert c.stalled("r0", 60.0) and not c.stalled("r0", 70.0)  # the restart forgot the stalls before
     assert not c.stalled("nope", 1e9)
     off = core(0.0)
     off.observe_load("r0", load(1, 7), 0.0)
@@ -72,19 +108,39 @@ def test_the_timeout_must_not_be_negative():
 
 def test_an_engine_hung_while_idle_is_caught_by_the_requests_this_router_has_in_flight_there():
     # vLLM updates its gauges from engine steps: an engine that hung while idle keeps showing
-    # nothing running, so the requests sent there since are what shows it holds work
-    from cache_policy.core import RequestSpec
-
+    # nothing running, so the requests sent there since are what shows it holds work; once they
+    # are taken back it holds nothing, is back after its stall, and a request sent there then
+    # stalls again (for twice as long)
     c = core()
     c.observe_load("r0", load(0, 500), 0.0)
-    job = c.open(RequestSpec(list(range(40)), None, None, None, None, "generate", 1), 1.0)
-    c.place(job, 1.0)
-    assert c.admit(job, 1.0).verdict == "admit"
-    c.settle()
+
+    def send(now: float):
+        job = c.open(RequestSpec(list(range(40)), None, None, None, None, "generate", 1), now)
+        c.place(job, now)
+        assert c.admit(job, now).verdict == "admit"
+        c.settle()
+        return job
+
+    job = send(1.0)
     c.observe_load("r0", load(0, 500), 2.0)  # the first scrape that sees it holding work
+    c.observe_load("r0", load(0, 500), 11.9)
     assert not c.stalled("r0", 11.9)
     c.observe_load("r0", load(0, 500), 12.0)
     assert c.stalled("r0", 12.0)
     c.finish(job, "failed", 12.5)  # taken back (the router runs it elsewhere)
     c.observe_load("r0", load(0, 500), 13.0)
-    assert not c.stalled("r0", 13.0)  # holds nothing: back (the next request sent there tells)
+    assert c.stalled("r0", 21.9) and not c.stalled("r0", 22.0)  # out for its stall, holding nothing
+    c.observe_load("r0", load(0, 500), 22.0)
+    job = send(23.0)  # back: the next request tells
+    for t in (24.0, 33.0, 34.0):
+        c.observe_load("r0", load(0, 500), t)
+    assert c.stalled("r0", 34.0) and c.stalled("r0", 53.9) and not c.stalled("r0", 54.0)
+
+
+def test_an_engine_showing_requests_it_never_finishes_stays_out():
+    c = core()
+    out = []
+    for t in range(0, 500):
+        c.observe_load("r0", load(2, 7), float(t))
+        out.append(c.stalled("r0", float(t)))
+    assert not any(out[:10]) and all(out[10:])
