@@ -149,6 +149,9 @@ class Job:
     """Leading blocks the prefix index held on its replica when it was placed (before its own)."""
     weight_version: int | None = None
     version_mark: int = 0
+    chosen_under: tuple[int | None, str] = (None, "")
+    """The fleet's current version and update policy when ``choice`` was made
+    (``DecisionCore._rechoose``)."""
     tried: list[ReplicaId] = field(default_factory=list)
     suspects: list[ReplicaId] = field(default_factory=list)
     """Replicas that answered it with an error (``retry``): a failure of each is counted only if
@@ -505,7 +508,9 @@ class DecisionCore:
         view = RequestView(hashes, len(spec.token_ids), spec.session_id, spec.group_id, spec.kind,
                            spec.weight_version, spec.fan_out)
         self._next_id += 1
-        return Job(self._next_id, spec, choice, view)
+        job = Job(self._next_id, spec, choice, view)
+        job.chosen_under = (self.versions.current, self.versions.policy)
+        return job
 
     def place(self, job: Job, now: float, *, only: ReplicaId | None = None) -> Decision | None:
         """Choose a replica for ``job`` and record it; None when no replica is eligible now
@@ -514,6 +519,7 @@ class DecisionCore:
         self._settle_holds()
         assert job.decision is None and not job.done, "bug: place() on a placed or finished job"
         self.registry.advance(now)
+        self._rechoose(job)
         self._settle_version(job)
         candidates = self._candidates(job)
         target, job.move_to = job.move_to, None
@@ -683,6 +689,26 @@ class DecisionCore:
         """A request tagged ``requested`` is more than ``max_staleness`` versions behind the
         current one (``VersionBook.too_stale``; answer 409 naming both)."""
         return self.versions.too_stale(requested, max_staleness)
+
+    def _rechoose(self, job: Job) -> None:
+        """A job whose salt was chosen before a weight update (placed again after a preemption,
+        or after waiting in a queue across the update) takes the salt the present version and
+        policy give it, as if it arrived now: its tokens will be computed by the new weights, and
+        a choice made under ``flush`` (unsalted, the caches reset at each update) would reuse, under
+        a later ``keep``, ``salt`` or ``keep+salt``, the old weights' KV (a fresh attacker's scores
+        were 4.7 nats off both weight sets). A strict job (its own version pinned) keeps its
+        choice; :meth:`_settle_version` moves it when its version is gone."""
+        now_under = (self.versions.current, self.versions.policy)
+        if job.chosen_under == now_under or job.choice.pins_version:
+            return
+        spec = job.spec
+        choice = self.versions.assign(self.registry, spec.session_id, spec.group_id, spec.weight_version,
+                                      spec.tenant, scoring=spec.kind == "score")
+        job.chosen_under = now_under
+        if choice != job.choice:
+            job.choice = choice
+            job.view = msgspec.structs.replace(job.view, block_hashes=tuple(block_hashes(spec.token_ids, self.block_size,
+                                                                                        choice.salt)))
 
     def _settle_version(self, job: Job) -> None:
         """A strict job (``choice.pins_version``) whose version no eligible replica serves is
