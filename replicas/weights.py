@@ -170,6 +170,8 @@ async def update_weights(
     resumed = False
     if weights == "undefined":
         errors.append("replica left paused: resuming with undefined weights would crash its engine")
+    elif step.pause_refused:  # never paused (e.g. no dev mode): it serves its previous weights as it was
+        resumed = True
     else:
         resumed = _note(errors, await step.resume())
     return WeightUpdateResult(
@@ -186,14 +188,21 @@ class ReplicaControl:
 
     def __init__(self, http: aiohttp.ClientSession, base_url: str) -> None:
         self.http, self.base_url = http, base_url.rstrip("/")
+        self.pause_refused = False
+        """The last :meth:`pause` was answered 4xx: the engine was not paused (nothing to resume)."""
 
     async def pause(self, mode: PauseMode, timeout_s: float = DEFAULT_PAUSE_TIMEOUT_S) -> str | None:
-        """``/pause?mode=...&clear_cache=false`` (the cache is reset only on purpose, confirmed)."""
+        """``/pause?mode=...&clear_cache=false`` (the cache is reset only on purpose, confirmed).
+        A 4xx answer sets :attr:`pause_refused` (a 404: the server runs without
+        ``VLLM_SERVER_DEV_MODE=1``, and the error says so); a timeout or a 5xx may have paused it."""
         params = {"mode": mode, "clear_cache": "false"}
         answer = await call(self.http, "POST", f"{self.base_url}/pause", params=params, timeout_s=timeout_s)
+        self.pause_refused = 400 <= answer.status < 500
         if answer.ok:
             return None
-        return f"pause (mode={mode}) failed, nothing was loaded: {answer.describe()}"
+        hint = (" (the server has no /pause: start vLLM with VLLM_SERVER_DEV_MODE=1 for weight updates)"
+                if answer.status == 404 else "")
+        return f"pause (mode={mode}) failed, nothing was loaded{hint}: {answer.describe()}"
 
     async def load(self, path: str, restore_path: str | None,
                    timeout_s: float = DEFAULT_LOAD_TIMEOUT_S) -> tuple[WeightsState, str | None]:

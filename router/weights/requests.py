@@ -18,7 +18,8 @@ Two-phase (weights pushed by the trainer), all targets at once::
     commit  {"version", "weights_path": optional folder holding the pushed weights (later restores)}
     abort   {"version", "restore": true}           # reload the previous folder before resuming
 
-Every parser raises BadRequest naming the field; the folder form and ``begin`` check every field
+Every parser raises BadRequest naming the field (a field the form does not take too: a misspelt
+``pausemode`` once took the default silently); the folder form and ``begin`` check every field
 first, then name the first invalid one in body order (a missing required field after the fields
 given) in ``param``, and every invalid one in the message.
 """
@@ -71,6 +72,7 @@ def parse_begin(body: dict[str, Any], cfg: AppConfig, known: list[ReplicaId], cu
 
 def parse_commit(body: dict[str, Any]) -> tuple[int, str | None]:
     """``POST /admin/weights/commit``: the version begun, and a folder holding the weights if any."""
+    _only(body, ("version", "weights_path"))
     path = body.get("weights_path")
     if path is not None and (not isinstance(path, str) or not path):
         raise BadRequest("'weights_path' must be a folder holding the pushed weights, or absent", param="weights_path")
@@ -79,6 +81,7 @@ def parse_commit(body: dict[str, Any]) -> tuple[int, str | None]:
 
 def parse_abort(body: dict[str, Any]) -> tuple[int, bool]:
     """``POST /admin/weights/abort``: the version begun, and whether to reload the previous folder."""
+    _only(body, ("version", "restore"))
     restore = body.get("restore", True)
     if not isinstance(restore, bool):
         raise BadRequest("'restore' must be a boolean", param="restore")
@@ -120,6 +123,9 @@ def _checked(body: dict[str, Any], checks: dict[str, Callable[[], Any]]) -> dict
     holds) and whose message names every invalid field, in that order."""
     values: dict[str, Any] = {}
     errors: dict[str, BadRequest] = {}
+    for name in body:
+        if name not in checks:  # a misspelt field would silently take its default
+            errors[name] = _unknown(name, checks)
     for name, check in checks.items():
         try:
             values[name] = check()
@@ -130,6 +136,18 @@ def _checked(body: dict[str, Any], checks: dict[str, Callable[[], Any]]) -> dict
         names = sorted(errors, key=lambda name: position.get(name, len(position)))
         raise BadRequest("; ".join(errors[name].message for name in names), param=errors[names[0]].param)
     return values
+
+
+def _unknown(name: str, fields) -> BadRequest:
+    """A field the request does not take (``param`` is its name)."""
+    return BadRequest(f"{name!r} is not a field of this request (it takes: {', '.join(fields)})", param=str(name))
+
+
+def _only(body: dict[str, Any], fields: tuple[str, ...]) -> None:
+    """BadRequest naming the first field of ``body`` not in ``fields``."""
+    for name in body:
+        if name not in fields:
+            raise _unknown(name, fields)
 
 
 def _folder(body: dict[str, Any]) -> str:

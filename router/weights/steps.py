@@ -133,6 +133,8 @@ class Steps:
         rec.kept_streams, rec.pause_mode = len(streams), pause_mode
         rec.paused_at = time.monotonic()  # from here on, release() resumes: a failed pause may have paused
         if not rec.note(await ctl.pause(pause_mode)):  # type: ignore[arg-type]
+            if ctl.pause_refused:  # answered 4xx (a server without dev mode): never paused, nothing to resume
+                rec.paused_at = None
             return False
         rec.paused_after_s = round(time.monotonic() - rec.started, 3)
         if transfer and not rec.note(await ctl.start_transfer()):

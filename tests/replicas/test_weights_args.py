@@ -137,3 +137,21 @@ async def test_dev_mode_off_fails_fast(http, serve):
     assert not outcome.confirmed and outcome.attempts == 1 and "404" in outcome.detail
     result = await update_weights(http, url, "/ckpt", reset_prefix_cache=True)
     assert not result.ok and result.weights == "previous" and "404" in result.error, result
+
+
+async def test_a_server_without_dev_mode_refuses_the_pause_and_serves_on_unpaused(http, serve):
+    # vLLM without VLLM_SERVER_DEV_MODE=1 has no /pause, /resume or /collective_rpc (404): the
+    # engine was never paused, so the update fails naming the missing mode, without a resume, and
+    # the replica counts as resumed on its previous weights (it goes back in rotation); a fresh
+    # user's external servers all stayed out of rotation for good after one update
+    calls = []
+
+    async def anything(request: web.Request) -> web.Response:
+        calls.append(request.path)
+        return web.Response(status=404, text='{"detail": "Not Found"}', content_type="application/json")
+
+    base = await serve([web.post("/{tail:.*}", anything)])
+    result = await update_weights(http, base, "/ckpt", reset_prefix_cache=True)
+    assert not result.ok and result.weights == "previous" and result.resumed, result
+    assert "VLLM_SERVER_DEV_MODE=1" in result.error and "resume" not in result.error, result.error
+    assert calls == ["/pause"]

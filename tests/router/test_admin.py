@@ -110,3 +110,22 @@ def test_router_config_checks_the_update_knobs():
     for name, value in [("max_staleness", -1), ("weight_update_drain_s", -1), ("weight_update_commit_timeout_s", 0)]:
         with pytest.raises(ValueError, match=name):
             AppConfig().replace(router={name: value})
+
+
+@pytest.mark.parametrize("form, body, param", [
+    ("update", {"version": 3, "weights_path": "/c", "pausemode": "abort"}, "pausemode"),
+    ("update", {"version": 3, "weights_path": "/c", "transfer": "vllm"}, "transfer"),  # begin's, not the folder form's
+    ("begin", {"version": 3, "weights_path": "/c"}, "weights_path"),  # commit's, not begin's
+    ("commit", {"version": 3, "restore": False}, "restore"),
+    ("abort", {"version": 3, "weights_path": "/c"}, "weights_path"),
+])
+def test_a_field_the_form_does_not_take_is_refused_not_ignored(form, body, param):
+    # a misspelt field silently took its default (a fresh attacker's pause_mode typo ran "wait")
+    from router.weights.requests import parse_abort, parse_begin, parse_commit
+
+    parse = {"update": lambda b: parse_update(b, AppConfig(), IDS, current=2),
+             "begin": lambda b: parse_begin(b, AppConfig(), IDS, current=2),
+             "commit": parse_commit, "abort": parse_abort}[form]
+    with pytest.raises(BadRequest) as err:
+        parse(body)
+    assert (err.value.status, err.value.param) == (400, param) and "not a field" in err.value.message

@@ -292,3 +292,34 @@ def gauge(page: str, name: str, replica: str) -> float:
     """The value of ``name{replica="..."}`` on a Prometheus text ``page``."""
     prefix = f'{name}{{replica="{replica}"}} '
     return next(float(line[len(prefix):]) for line in page.splitlines() if line.startswith(prefix))
+
+
+async def test_an_update_through_servers_without_dev_mode_fails_and_leaves_them_serving(tmp_path, no_vllm_env):
+    # vLLM started without VLLM_SERVER_DEV_MODE=1 has no /pause (404): the update fails naming
+    # the missing mode, and every replica stays in rotation on its weights (a fresh user's fleet
+    # went out of service for good after one update)
+    fakes = [FakeVllm(block_size=16), FakeVllm(block_size=16)]
+    admin = {"Authorization": "Bearer admin-secret"}
+    async with serving(fakes[0]) as url0, serving(fakes[1]) as url1:
+        config = tmp_path / "router.yaml"
+        config.write_text(f"router:\n  port: 0\n  admin_token: admin-secret\n"
+                          f"replicas:\n  urls: [{url0}, {url1}]\n")
+        proc, url = await start(config, no_vllm_env)
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
+                update = {"version": 1, "weights_path": "/ckpt/1", "policy": "salt", "mode": "rolling"}
+                async with http.post(url + "/admin/weights", json=update, headers=admin) as resp:
+                    report = await resp.json()
+                async with http.get(url + "/admin/replicas", headers=admin) as resp:
+                    replicas = (await resp.json())["replicas"]
+                statuses = []
+                for i in range(4):
+                    async with http.post(url + "/v1/completions", json={"prompt": PROMPT[i:], "max_tokens": 1}) as resp:
+                        statuses.append(resp.status)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            _, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, err.decode()[-2000:]
+    assert "VLLM_SERVER_DEV_MODE=1" in str(report), report
+    assert [r["in_rotation"] for r in replicas] == [True, True], replicas
+    assert statuses == [200] * 4, statuses
