@@ -66,6 +66,7 @@ def create_app(cfg: AppConfig, endpoints: Sequence[ReplicaEndpoint], tokenizer: 
     metrics.replicas = app[keys.CORE].replicas
     app.cleanup_ctx.extend([_http_session, _scraper, kv_events_ctx, state_sync_ctx])
     app.router.add_post(FAST_PATH, handlers.completions)
+    app[keys.OWN_ADDRESSES] = set()  # filled once the router listens (router.server.running_router)
     app[keys.FAST_HANDLER] = handlers.completions  # the same handler, when router.fastlane serves it
     app.router.add_post("/v1/chat/completions", handlers.chat_completions)
     app.router.add_post("/v1/score", score.score)

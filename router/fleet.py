@@ -219,6 +219,8 @@ async def _claim_address(app: web.Application, url: str):
         address = await resolve(url)
     except OSError as exc:
         raise BadRequest(f"cannot add the replica: {echo(url)} does not resolve ({exc})", param="url") from None
+    if any((ip, port) in app[keys.OWN_ADDRESSES] for ip, port, _ in address):  # requests would loop through it
+        raise BadRequest(f"{echo(url)} is this router itself: a replica must be a vLLM server", param="url")
     registry = getattr(_shared(app), "registry", None)  # with Redis: the entries it does not follow too
     elsewhere = registry.servers_elsewhere() if registry is not None else {}
     known = {}

@@ -22,6 +22,10 @@ HTTP = web.AppKey("http", aiohttp.ClientSession)
 TOKENIZER = web.AppKey("tokenizer", "router.tokenize.PromptTokenizer")
 LIFECYCLE = web.AppKey("lifecycle", "router.lifecycle.Lifecycle")
 WEIGHT_UPDATER = web.AppKey("weight_updater", "router.weights.updater.WeightUpdater")
+OWN_ADDRESSES = web.AppKey("own_addresses", set)
+"""``(host, port)`` pairs the router listens on (``replicas.addresses.host_key`` spellings too),
+filled by ``router.server.running_router`` once bound: a replica URL leading there is the router
+itself (``router.fleet``)."""
 FAST_HANDLER = web.AppKey("fast_handler", object)
 """The handler of ``router.fastlane.FAST_PATH`` (``router.handlers.completions``), which the fast
 lane runs inside the app's middlewares; set by ``create_app`` beside the route."""

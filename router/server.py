@@ -17,6 +17,7 @@ from typing import AsyncIterator, Sequence
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
+from replicas.addresses import host_key
 from replicas.config import StartupError
 from replicas.replica_set import ReplicaEndpoint
 from replicas.served_model import model_source
@@ -121,6 +122,9 @@ async def running_router(cfg: AppConfig, endpoints: Sequence[ReplicaEndpoint],
         await runner.cleanup()
         raise
     port = sockets[0].getsockname()[1]
+    for listening in sockets:
+        ip, own_port = listening.getsockname()[:2]
+        app[keys.OWN_ADDRESSES].update({(ip, own_port), (host_key(ip), own_port)})
     host = r.host if ":" not in r.host else f"[{r.host}]"
     shared = app[keys.LIFECYCLE].shared if keys.LIFECYCLE in app else None
     if shared is not None:  # what the other routers show and name (a commit sent to the wrong one)

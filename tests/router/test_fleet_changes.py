@@ -447,3 +447,15 @@ async def test_a_claim_whose_answer_was_lost_does_not_hold_the_server_for_two_mi
     finally:
         redis.close()
 
+
+
+async def test_the_routers_own_address_is_refused_as_a_replica_however_spelt():
+    # a fresh attacker added the router as its own replica (201): requests then looped through it
+    # (1,334 times in 15 s for one completion, 574 open descriptors)
+    async with fakes(1) as (_, (u0,)), router([u0]) as (url, app, rs):
+        port = url.rsplit(":", 1)[1]
+        for spelling in (url, f"http://localhost:{port}", f"http://0.0.0.0:{port}/", f"http://[::ffff:127.0.0.1]:{port}"):
+            status, body, _ = await call("POST", url + "/admin/replicas", json={"url": spelling}, headers=ADMIN)
+            assert status == 400 and body["error"]["param"] == "url", body
+            assert "this router itself" in body["error"]["message"], body
+        assert await fleet_of(url) == {"replica-0": u0}
