@@ -14,8 +14,6 @@ import gc
 import dataclasses
 import json
 import logging
-import os
-import platform
 import signal
 import socket
 import sys
@@ -27,8 +25,6 @@ from replicas.config import StartupError
 from cache_policy.config import PolicyConfig
 from router import package_version
 from router.config import AppConfig, RouterConfig
-
-log = logging.getLogger(__name__)
 
 _SIMPLE = (int, float, str)
 
@@ -282,61 +278,7 @@ def _loop_factory(kind: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
     return None
 
 
-HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb=1"
-"""glibc's tunable (2.35+) that ``madvise``s the memory malloc takes from the kernel as
-transparent huge pages (``router.huge_pages``)."""
-_GIVEN_TUNABLES = "ROLLOUT_ROUTER_GIVEN_GLIBC_TUNABLES"
-"""Set only between ``_huge_pages_exec`` and ``_given_environment``: the ``GLIBC_TUNABLES`` the
-router was started with (``-`` when it had none)."""
-
-
-def _thp_mode(path: str = "/sys/kernel/mm/transparent_hugepage/enabled") -> str | None:
-    """The kernel's transparent-huge-page mode (``always``, ``madvise``, ``never``); None when unknown."""
-    try:
-        with open(path) as f:
-            text = f.read()
-    except OSError:
-        return None
-    start, end = text.find("["), text.find("]")
-    return text[start + 1:end] if 0 <= start < end else None
-
-
-def _huge_pages_exec() -> None:
-    """Start this process again, at once, with :data:`HUGE_PAGES_TUNABLE` added to its
-    ``GLIBC_TUNABLES`` (read by glibc only as a process starts). Returns without doing anything
-    where it would not take effect: no THP (``never`` or unknown), not glibc, or already set;
-    raises nothing (a failed ``exec`` leaves the router running as it was, logged)."""
-    given = os.environ.get("GLIBC_TUNABLES")
-    if (_thp_mode() not in ("always", "madvise") or platform.libc_ver()[0] != "glibc"
-            or (given and "glibc.malloc.hugetlb" in given)
-            or sys.argv[0] in ("", "-")):  # a program read from stdin cannot be read again
-        return
-    env = dict(os.environ, GLIBC_TUNABLES=f"{given}:{HUGE_PAGES_TUNABLE}" if given else HUGE_PAGES_TUNABLE)
-    env[_GIVEN_TUNABLES] = given if given is not None else "-"
-    sys.stdout.flush()
-    sys.stderr.flush()
-    try:
-        os.execve(sys.executable, sys.orig_argv, env)
-    except OSError as exc:
-        log.warning("router.huge_pages: could not start again with %s (%s); running without", HUGE_PAGES_TUNABLE, exc)
-
-
-def _given_environment() -> bool:
-    """After :func:`_huge_pages_exec`: put back the ``GLIBC_TUNABLES`` the router was started with,
-    so the processes it starts (Ray, vLLM replicas) get the environment it was given. Returns
-    whether this process is the one :func:`_huge_pages_exec` started."""
-    given = os.environ.pop(_GIVEN_TUNABLES, None)
-    if given == "-":
-        os.environ.pop("GLIBC_TUNABLES", None)
-    elif given is not None:
-        os.environ["GLIBC_TUNABLES"] = given
-    return given is not None
-
-
 def main(argv: list[str] | None = None) -> int:
-    """The ``rollout-router`` command (``argv``: its arguments; None: this process's own, and then
-    ``serve`` may start the process again with ``router.huge_pages``). Returns the exit code."""
-    restarted = _given_environment()
     args = _parser().parse_args(argv)
     if args.command == "status":  # the routers sharing one Redis (router.state.status)
         from router.state.status import run_status
@@ -345,8 +287,6 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         cfg = _config(args)
-        if argv is None and not restarted and args.command == "serve" and cfg.router.huge_pages:
-            _huge_pages_exec()
         sock = _reserve_port(cfg.router.host, cfg.router.port) if args.command == "serve" else None
     except (ValueError, OSError) as exc:
         print(f"rollout-router: config error: {exc}", file=sys.stderr)

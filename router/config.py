@@ -136,13 +136,6 @@ class RouterConfig:
     event_loop: EventLoop = "uvloop"
     """Event loop of ``rollout-router serve``: uvloop (libuv; less time per request in the loop
     and its sockets) or asyncio (the standard library's)."""
-    huge_pages: bool = True
-    """``rollout-router serve`` puts its malloc heap on transparent huge pages: it starts itself again
-    at once with ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` (glibc's own switch; the processes it
-    starts get the environment it was given). Fewer TLB misses when a request finds the router's
-    memory cold: ~0.05-0.1 ms less added latency and 3-6 percent less CPU per request in ``bench.h2h.ab``
-    (README, Head-to-head). Nothing happens where THP is off (``never``) or the C library is not
-    glibc; false: the process keeps the environment it was started with."""
     busy_poll_ms: float = 0.0
     """After each API request ends (one whose API key the router accepted), the event loop polls
     without sleeping for this many milliseconds (``router.busy_poll``): a request that follows

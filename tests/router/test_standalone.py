@@ -194,52 +194,6 @@ def metric(page: str, name: str) -> float:
     return next(float(line.split()[-1]) for line in page.splitlines() if line.startswith(name + " "))
 
 
-def anon_huge_kb(pid: int) -> int:
-    """Anonymous memory of process ``pid`` on transparent huge pages, in KiB (``smaps_rollup``)."""
-    with open(f"/proc/{pid}/smaps_rollup") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("AnonHugePages:"))
-
-
-def exec_environment(pid: int) -> dict[str, str]:
-    """The environment process ``pid`` was started (or last ``exec``'d) with."""
-    with open(f"/proc/{pid}/environ", "rb") as f:
-        return dict(item.decode().partition("=")[::2] for item in f.read().split(b"\0") if item)
-
-
-async def test_huge_pages_put_the_served_routers_heap_on_huge_pages(tmp_path, no_vllm_env):
-    # router.huge_pages (default on): the real CLI starts itself again with glibc's THP switch;
-    # with THP in "madvise" mode (the kernel's default) only that gives the heap huge pages.
-    # The mode is read here from sysfs, as an operator would, not from the router's code
-    try:
-        mode = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().split("[")[1].split("]")[0]
-    except (OSError, IndexError):
-        mode = None
-    env = {**no_vllm_env, "GLIBC_TUNABLES": "glibc.malloc.arena_max=4"}
-    seen = {}
-    async with serving(FakeVllm(block_size=16)) as upstream:
-        for on in (True, False):
-            config = tmp_path / f"router-{on}.yaml"
-            config.write_text(f"router:\n  port: 0\n  huge_pages: {str(on).lower()}\nreplicas:\n  urls: [{upstream}]\n")
-            proc, url = await start(config, env)
-            try:
-                async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
-                    for _ in range(20):
-                        async with http.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 1}) as resp:
-                            assert resp.status == 200, await resp.text()
-                seen[on] = (anon_huge_kb(proc.pid), exec_environment(proc.pid))
-            finally:
-                proc.send_signal(signal.SIGTERM)
-                _, err = await asyncio.wait_for(proc.communicate(), 60)
-            assert proc.returncode == 0, err.decode()[-2000:]
-    (huge_on, env_on), (huge_off, env_off) = seen[True], seen[False]
-    assert "ROLLOUT_ROUTER_GIVEN_GLIBC_TUNABLES" not in env_off and huge_off == 0 or mode == "always"
-    if mode in ("always", "madvise"):
-        assert env_on["ROLLOUT_ROUTER_GIVEN_GLIBC_TUNABLES"] == "glibc.malloc.arena_max=4"  # started again
-        assert huge_on >= 2048, huge_on  # at least one 2 MiB page
-    else:  # no THP: nothing to gain, not started again
-        assert "ROLLOUT_ROUTER_GIVEN_GLIBC_TUNABLES" not in env_on and huge_on == 0
-
-
 async def test_a_stalled_engine_is_taken_out_and_its_request_answered_by_another_replica(tmp_path, no_vllm_env):
     # a hung engine behind an API server that still answers /health and /metrics (vLLM's health
     # check reports only a dead engine): the scrapes show it holding a request and finishing no
