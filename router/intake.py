@@ -92,6 +92,8 @@ async def read_score(request: web.Request) -> tuple[ScoreRequest, list[int]]:
     for k, response in enumerate(req.responses):
         tokenizer.check_ids(response, f"responses[{k}]")
         if len(context) + len(response) >= limits.max_model_len:
-            raise BadRequest(f"'responses[{k}]' has {len(response)} tokens; after the context's {len(context)} "
-                             f"they pass max_model_len {limits.max_model_len}", param=f"responses[{k}]")
+            raise BadRequest(f"'responses[{k}]' has {len(response)} tokens; with the context's {len(context)} and the "
+                             f"one token scoring generates they need more than max_model_len {limits.max_model_len} "
+                             f"(at most {limits.max_model_len - 1 - len(context)} response tokens fit)",
+                             param=f"responses[{k}]")
     return req, context

@@ -335,3 +335,13 @@ async def test_a_header_sent_twice_with_different_values_is_refused_naming_it(la
         assert (status, answer["error"]["param"]) == (401, "authorization")
         assert b"k-a" not in json.dumps(answer).encode()  # no key echoed back
         assert len(replica.bodies) == sent + 1
+
+
+async def test_a_score_past_the_model_length_says_how_many_response_tokens_fit():
+    # context + response == max_model_len is refused for the one token scoring generates; the
+    # message said the two "pass" max_model_len, which they do not (a fresh user's note)
+    async with fake_replica() as replica, edge_router(replica) as (url, _):
+        status, answer = await post(url, "/v1/score", json={"context": [5] * 16380, "responses": [[7] * 4]})
+    assert (status, answer["error"]["param"]) == (400, "responses[0]"), answer
+    message = answer["error"]["message"]
+    assert "16380" in message and "16384" in message and "at most 3 response tokens fit" in message, message
