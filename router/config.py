@@ -146,8 +146,12 @@ class RouterConfig:
     """Serve plain non-streamed ``POST /v1/completions`` requests on a bare asyncio protocol
     (``router.fastlane``: about 0.37 ms less per request than aiohttp's server), the same
     middlewares and handler; false: aiohttp serves every request."""
-    header_timeout_s: float = 15.0
-    """Seconds a connection may stay idle or take to send a request's headers before it is closed."""
+    header_timeout_s: float = 30.0
+    """Seconds a connection may stay idle or take to send a request's headers before it is closed.
+    Longer than the clients' own keep-alive pools (aiohttp's 15 s, httpx's and so the ``openai``
+    SDK's 5 s): a server that closes an idle connection as the client reuses it fails that request
+    with a disconnect the client does not retry (aiohttp issue #2682, a sub-millisecond window at
+    the timeout; at the old 15 s, one of this suite's aiohttp requests met it in CI)."""
     body_timeout_s: float = 30.0
     """Seconds a client may take to send a request body (408 past it)."""
     shutdown_grace_s: float = 30.0

@@ -169,3 +169,25 @@ def test_an_integer_is_still_a_number(tmp_path, section, name, default):
     path.write_text(f"{section}:\n  {name}: {value}\n")
     loaded = getattr(getattr(AppConfig.load(path), section), name)
     assert loaded == value and type(loaded) is float
+
+
+def test_the_idle_timeout_outlasts_the_clients_keep_alive_pools():
+    # a server closing an idle connection as a client reuses it fails that request with a
+    # disconnect the client does not retry (aiohttp #2682): the router must keep idle connections
+    # longer than the pools of the clients RL stacks use (read from the libraries themselves)
+    import asyncio
+
+    import aiohttp
+    import httpx
+
+    from router.config import RouterConfig
+
+    async def aiohttp_pool_s() -> float:
+        connector = aiohttp.TCPConnector()
+        try:
+            return connector._keepalive_timeout
+        finally:
+            await connector.close()
+
+    pools = {"aiohttp": asyncio.run(aiohttp_pool_s()), "httpx": httpx.Limits().keepalive_expiry}
+    assert all(RouterConfig().header_timeout_s > s for s in pools.values()), pools
