@@ -116,13 +116,16 @@ class PolicyConfig:
     of rotation until it answers again; a refused connection takes it out at once."""
 
     stall_timeout_s: float = 60.0
-    """A replica whose engine holds requests (running or waiting, by its ``/metrics``) but has
-    finished no token of any (``vllm:prompt_tokens_total`` and ``vllm:generation_tokens_total``
-    both still) for this long is stalled: a hung GPU or engine core behind an API server that
-    still answers ``/health`` and ``/metrics`` (vLLM's health check reports only a dead engine).
-    It leaves rotation and its requests in flight run on another replica at once, until its
-    counters move again or it holds nothing; a replica in a weight update is never stalled.
-    Longer than any one engine step (a long prefill on a slow host); 0: off."""
+    """A replica whose engine holds requests (running or waiting by its ``/metrics``, or this
+    router's requests in flight there) but has finished no token of any
+    (``vllm:prompt_tokens_total`` and ``vllm:generation_tokens_total`` both still) for this long
+    is stalled: a hung GPU or engine core behind an API server that still answers ``/health`` and
+    ``/metrics`` (vLLM's health check reports only a dead engine). It is marked unhealthy (no new
+    work) and its requests in flight run on another replica at once, for this long, twice as long
+    for each stall in a row, at most 8 times as long, or until a token moves; then the next
+    request sent there tells. A replica in a weight update is never stalled. Judged at each
+    metrics scrape (off with ``router.scrape_interval_s: 0``). Longer than any one engine step (a
+    long prefill on a slow host); 0: off."""
 
     key_ttl_s: float = 3600.0
     """A session's or group's record (pin, start version) unseen for longer than this, with

@@ -148,7 +148,8 @@ async def _scrape_loop(app: web.Application, interval_s: float, rounds: ScrapeRo
         results = await rounds.run(http, pool, core, metrics, started, wait_s=interval_s)
         for rid in healthy:
             if rid in core.replicas and not core.replicas[rid].healthy and rid in pool and pool.get(rid).silent:
-                app[keys.LIFECYCLE].abandon(rid, f"replica {rid} stopped answering its metrics scrapes")
+                why = "its engine stalled" if core.stalled(rid, started) else "it stopped answering its metrics scrapes"
+                app[keys.LIFECYCLE].abandon(rid, f"replica {rid}: {why}")
         for exc in results:
             if isinstance(exc, Exception) and repr(type(exc)) not in seen:
                 seen.add(repr(type(exc)))

@@ -81,7 +81,9 @@ class RouterConfig:
     """Seconds between shared-state sync rounds (heartbeat, in-flight shares, versions, registry);
     0 disables the loop (pins and versions are still read and written with each request)."""
     tokenizer: str | None = None
-    """Tokenizer path for text prompts; default: the replicas' model."""
+    """Tokenizer path for text prompts; default: the replicas' model (with ``replicas.urls``: the
+    served model's folder when ``/v1/models`` names one on this machine, else none: token-ID
+    prompts only, text gets a 400)."""
     kv_events: bool = True
     """Follow the replicas' KV cache events (those that publish them, ``ReplicaEndpoint.kv_events``):
     the prefix index learns what each engine really holds; False: predictions only."""
@@ -119,7 +121,8 @@ class RouterConfig:
 
     max_model_len: int | None = None
     """Longest prompt + output the router lets through (prompts and ``max_tokens`` are checked
-    against it before admission); None: ``replicas.max_model_len``."""
+    against it before admission); None: ``replicas.max_model_len`` (with ``replicas.urls``: the
+    smallest the servers' ``/v1/models`` reports)."""
     max_prompt_chars: int | None = None
     """Longest text prompt or chat conversation, in characters, refused before tokenizing (a cheap
     bound that keeps huge texts off the tokenizer); None: 16 x the max model length."""

@@ -53,8 +53,9 @@ async def scrape_once(http: aiohttp.ClientSession, state: ReplicaState, core: De
         state.silent = core.stalled(rid, started_at)
         if state.silent and healthy:
             metrics.stalls.labels(rid).inc()
-            log.warning("replica %s: its engine holds %d request(s) but finished no token for %g s (stalled), "
-                        "out of rotation until its counters move", rid, m.num_running + m.num_waiting,
+            log.warning("replica %s: its engine holds work (%d request(s) by its metrics, %d of this router's in "
+                        "flight) but finished no token for %g s or more (stalled): unhealthy, its requests run "
+                        "elsewhere", rid, m.num_running + m.num_waiting, core.admission.ledger.count(rid),
                         core.cfg.stall_timeout_s)
         core.set_health(rid, not state.silent)
         if metrics.live(rid):  # (one that left while its scrape was under way has no gauges)
