@@ -80,7 +80,7 @@ async def forward(client: web.Request, parsed: ParsedRequest, token_ids: list[in
                 job, core, expose_cached=expose, cached=cached, spans=flight.spans, reruns=life.reruns.get(job.id, 0),
                 tokens=flight.tokens))
             resp = await relay_stream(client, life.http, url, body, route_headers(job, expose_cached=expose), watch,
-                                      on_start=lambda: setattr(flight, "answering", True))
+                                      start=lambda aborted: life.answer_starts(job, aborted))
         else:
             # on the fast lane a 200 is answered as its last byte is read (AnswerAhead), its
             # headers and annotation built while the replica works
@@ -92,10 +92,6 @@ async def forward(client: web.Request, parsed: ParsedRequest, token_ids: list[in
             resp = await post_json(life.upstream, url, body, on_answer=None if ahead is None else ahead.deliver)
             if ahead is not None and ahead.sent is not None:  # the client has it (checked unmixed then)
                 resp = ahead
-            else:
-                life.check_versions(job)  # a non-streamed answer is never mixed: run it again
-                if resp.status == 200 and resp.aborted():
-                    raise life.aborted(job)  # nor returned partial
         if isinstance(resp, AnswerAhead):
             cached, job.generated_tokens = resp.result.cached_tokens(), resp.result.completion_tokens()
             resp = resp.sent
@@ -103,11 +99,12 @@ async def forward(client: web.Request, parsed: ParsedRequest, token_ids: list[in
             if resp.replica_failed():  # nothing reached the client yet
                 raise RetryElsewhere(f"replica {endpoint.replica_id} answered HTTP {resp.status}: "
                                      f"{resp.raw[:200].decode('utf-8', 'replace')}")
+            # never mixed nor partial: else run again (then answering: an update leaves it alone)
+            life.answer_starts(job, resp.status == 200 and resp.aborted())
             cached = resp.cached_tokens()
             job.generated_tokens = resp.completion_tokens()
             resp = json_answer(resp, job, core, parsed.endpoint, expose_cached=expose, spans=flight.spans,
                                reruns=life.reruns.get(job.id, 0))
-            flight.answering = True  # from here on the client has (part of) this answer
             resp = await send_now(client, resp)  # before the lifecycle releases the job, not after
         else:
             cached = resp.get(CACHED_TOKENS)

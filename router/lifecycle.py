@@ -72,8 +72,8 @@ class Stale(RouterError):
 class Flight:
     """One dispatched attempt, as a weight update sees it (``Lifecycle.flights``).
 
-    ``streaming``: its answer streams to the client (it is kept across an update, never
-    preempted); ``task``: the request's own task, running the attempt (``preempt`` cancels it,
+    ``streaming``: its answer streams to the client (once answering, it is kept across an
+    update, never preempted; before its first token it is taken back like any); ``task``: the request's own task, running the attempt (``preempt`` cancels it,
     ``_fly`` takes the cancel back; None once the attempt returned); ``tokens``: tokens relayed
     so far per choice index (streams); ``spans``: the
     versions its tokens were computed under (``router.responses.span``), the last one current."""
@@ -127,7 +127,8 @@ class Lifecycle:
                   failed: Callable[[T], bool] = lambda _: False, *, streaming: bool = False) -> T:
         """Open, place, admit and run ``attempt`` until it succeeds, is refused, or retries run out.
 
-        ``streaming``: the attempt relays a stream (kept across weight updates, never re-run).
+        ``streaming``: the attempt relays a stream (kept across weight updates once its first
+        token went, never re-run from then on).
         Raises Stale (409), NoReplica (503), Overloaded (429), UpstreamError (502) or the attempt's own errors.
         """
         if self.core.too_stale(spec.weight_version, getattr(self.cfg, "max_staleness", None)):
@@ -227,8 +228,8 @@ class Lifecycle:
             elif time.monotonic() - since >= QUIET_S:
                 break
             await asyncio.sleep(QUIET_POLL_S)
-        for flight in self.flights.get(rid, {}).values():
-            if flight.streaming and flight.spans and flight.spans[-1]["weight_version"] != version:
+        for flight in self.flights.get(rid, {}).values():  # one not answering runs again (answer_starts)
+            if flight.streaming and flight.answering and flight.spans and flight.spans[-1]["weight_version"] != version:
                 flight.spans.append(next_span(flight.spans, flight.tokens, version, recomputed))
 
     def state_sizes(self) -> dict[str, int]:
@@ -242,13 +243,23 @@ class Lifecycle:
         """The dispatched attempt of ``job``, if any."""
         return self.flights.get(job.replica_id, {}).get(job.id)
 
-    def check_versions(self, job: Job) -> None:
-        """Rerun unless ``job``'s replica served one version from its dispatch until now: a
-        non-streamed answer (a scoring fan-out above all) is never mixed."""
+    def answer_starts(self, job: Job, aborted: bool = False) -> None:
+        """The first byte of ``job``'s answer is about to reach its client: the last moment it can
+        run again. Raises Rerun when its replica's version moved since its dispatch (the answer
+        would mix versions: a non-streamed answer, a scoring fan-out above all, is never mixed) or
+        when the engine aborted it part way or
+        before its first token (``aborted``: it would be partial, :meth:`aborted`); else marks its
+        flight answering, and a weight update or an abandon leaves it alone from now on. Streams
+        call it at their first token (``router.weights.stream``), JSON answers once read whole."""
         if self.versions_moved(job):
             # from the version it was dispatched under (a long-cut log's first kept entry is later)
             now = self.core.versions_since(job)[-1]
             raise Rerun(f"replica {job.replica_id} moved from version {job.weight_version} to {now} while the request ran")
+        if aborted:
+            raise self.aborted(job)
+        flight = self.flight(job)
+        if flight is not None:
+            flight.answering = True
 
     def aborted(self, job: Job) -> Exception:
         """What to raise for ``job``'s non-streamed answer its engine aborted part way (a choice's
@@ -266,10 +277,12 @@ class Lifecycle:
         return len(self.core.versions_since(job)) > 1
 
     def preempt(self, rid: ReplicaId, reason: str) -> int:
-        """Take back every non-streaming attempt on ``rid`` (they run again whole); the count."""
+        """Take back every attempt on ``rid`` of which nothing reached the client yet, streams
+        before their first token included (they run again whole); the count. The streams left
+        are in the engine (they made a token), so ``/pause`` keeps or aborts every one of them."""
         n = 0
         for flight in list(self.flights.get(rid, {}).values()):
-            if not (flight.streaming or flight.answering) and flight.task is not None and flight.preempted is None:
+            if not flight.answering and flight.task is not None and flight.preempted is None:
                 flight.preempted = reason
                 flight.task.cancel()
                 n += 1

@@ -23,6 +23,7 @@ from yarl import URL
 
 from replicas.auth import PROCESS_KEYS, bearer
 from router.errors import UpstreamError, error_body
+from router.lifecycle import RetryElsewhere
 from router.token_ids import TokenIds
 from router.upstream import ReplicaClient, ReplicaUnreachable
 from router.weights.stream import relay_events
@@ -290,50 +291,50 @@ def _decode(raw: bytes) -> tuple[Any, bool]:
 
 
 async def relay_stream(client: web.Request, http: aiohttp.ClientSession, url: str, body: dict[str, Any],
-                       headers: dict[str, str], watch: Any = None,
-                       on_start: Callable[[], None] | None = None) -> web.StreamResponse | UpstreamResult:
+                       headers: dict[str, str], watch: Any,
+                       start: Callable[[bool], None] | None = None) -> web.StreamResponse | UpstreamResult:
     """POST a streaming request and relay the server-sent events to ``client`` as they come.
 
-    An upstream error status before streaming starts comes back as an :class:`UpstreamResult`
-    (nothing sent to ``client``), for the caller to answer as it answers a non-streamed one.
-    Raises ReplicaUnreachable when the replica cannot be reached before the first byte.
-    ``watch`` (``router.weights.report.StreamWatch``): relay event by event, let it count each
-    one as it is read, and give the final chunk before ``[DONE]`` its ``rollout_router`` object
-    (``router.weights.stream.relay_events``). ``on_start``: called just before the first byte
-    goes to ``client`` (from then on the request cannot run again elsewhere).
+    An upstream error status comes back as an :class:`UpstreamResult` (nothing sent to
+    ``client``), for the caller to answer as it answers a non-streamed one. Nothing goes to
+    ``client`` before the stream's first token (``router.weights.stream``): until then the
+    request can run again, so ``start(aborted)`` is called just before the first byte (it may
+    raise to take the request back: ``aborted``, the engine ended it before any token), and a
+    replica that fails before it raises :class:`RetryElsewhere`. Raises ReplicaUnreachable when
+    the replica cannot be reached. ``watch`` (``router.weights.report.StreamWatch``) counts each
+    event as it is read and gives the final chunk before ``[DONE]`` its ``rollout_router`` object.
+    A replica that fails after the first byte ends the stream with an error event (``FAILED``).
     """
     up = await _send(http, url, body)
-    resp: web.StreamResponse | None = None
+    resp = web.StreamResponse(status=200, headers={**headers, "Cache-Control": "no-cache"})
+    resp.content_type = "text/event-stream"
+
+    async def begin(aborted: bool) -> None:
+        if start is not None:
+            start(aborted)
+        await resp.prepare(client)
+
     try:
         if up.status != 200:
             return UpstreamResult(up.status, await up.read())
-        resp = web.StreamResponse(status=200, headers={**headers, "Cache-Control": "no-cache"})
-        resp.content_type = "text/event-stream"
-        if on_start is not None:
-            on_start()
-        await resp.prepare(client)
-        tail = b""
         try:
-            if watch is not None:  # event by event, read ahead of the client (router.weights.stream)
-                tail = await relay_events(resp, up, watch, _TAIL_BYTES)
-            else:
-                async for chunk in up.content.iter_any():
-                    await resp.write(chunk)
-                    tail = (tail + chunk)[-_TAIL_BYTES:]
+            tail = await relay_events(resp, up, watch, _TAIL_BYTES, begin)
             await resp.write_eof()
             resp[CACHED_TOKENS] = stream_cached_tokens(tail)
         except ConnectionResetError:  # the client went away mid-stream: an expected outcome
             log.info("client disconnected from %s mid-stream; aborting upstream", url)
             up.close()  # dropping the upstream connection makes vLLM abort and free the KV cache
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:  # the replica failed mid-stream
-            log.warning("replica failed mid-stream on %s: %r; ending the stream with an error event", url, exc)
             up.close()
+            if not resp.prepared:  # before its first token: nothing reached the client
+                raise RetryElsewhere(f"the replica failed before the stream's first token on {url}: {exc!r}") from exc
+            log.warning("replica failed mid-stream on %s: %r; ending the stream with an error event", url, exc)
             resp[FAILED] = True
             await _end_with_error(resp, f"the replica failed mid-stream ({type(exc).__name__}); retry the request")
         return resp
-    except asyncio.CancelledError:
-        up.close()  # client went away: drop the upstream connection so vLLM aborts the request
-        if resp is not None and resp.prepared:  # or the router is stopping: end the stream properly
+    except BaseException:
+        up.close()  # client went away, or the request is taken back: vLLM aborts it
+        if resp.prepared:  # or the router is stopping: end the stream properly
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(1.0):
                     await _end_with_error(resp, "the router stopped while streaming; retry the request")

@@ -134,7 +134,7 @@ class AnswerAhead:
     prepared object into its bytes as :func:`json_answer` would, and writes it. It declines
     (False: the task's own path answers, :func:`json_answer`) a status other than 200, a body
     that cannot be spliced, and a replica whose version moved since dispatch
-    (``versions_moved``: the task then runs the request again, ``Lifecycle.check_versions``).
+    (``versions_moved``: the task then runs the request again, ``Lifecycle.answer_starts``).
     After it answered, ``sent`` is the answer and ``result`` the replica's."""
 
     __slots__ = ("client", "job", "core", "flight", "expose_cached", "reruns", "versions_moved", "sent", "result",

@@ -137,7 +137,7 @@ async def score(request: web.Request) -> web.Response:
     async def attempt(job: Job, endpoint: ReplicaEndpoint) -> web.Response:
         rows = await _gather_or_cancel(_score_one(life.upstream, endpoint, job, req, context, cap, r)
                                        for cap, r in zip(caps, req.responses))
-        life.check_versions(job)  # every row from one version's weights over its own KV, or run it again
+        life.answer_starts(job)  # every row from one version's weights over its own KV, or run it again
         flight = life.flight(job)
         note = annotation(job, core, expose_cached=expose, spans=flight.spans if flight else None,
                           reruns=life.reruns.get(job.id, 0))
@@ -148,8 +148,6 @@ async def score(request: web.Request) -> web.Response:
                                     "reruns", "requested_weight_version")},
             "results": [{"index": i, **r} for i, r in enumerate(rows)],
         }, headers=route_headers(job, expose_cached=expose))
-        if flight is not None:
-            flight.answering = True  # a weight update leaves it alone from here (router.lifecycle.Flight)
         await send_now(request, resp)  # before the lifecycle releases the job, as completions do
         metrics.count_prompt(job, sum(len(context) + len(r) for r in req.responses),
                              sum(row["cached_tokens"] for row in rows))

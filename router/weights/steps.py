@@ -4,8 +4,10 @@
     settle   drain: wait until no request of any router runs or waits there and the engine is
              idle (``drain_timeout_s``); what is left is dealt with by ``pause_mode``:
                wait   the replica is not updated (released on its old weights, reported)
-               keep   non-streamed attempts are taken back and run again whole (``Lifecycle.preempt``);
-                      streams are frozen by ``/pause?mode=keep`` and continue after the update
+               keep   attempts of which nothing reached the client (streams before their first
+                      token too) are taken back and run again whole (``Lifecycle.preempt``);
+                      the streams left, all in the engine, are frozen by ``/pause?mode=keep``
+                      and continue after the update
                abort  the same, but ``/pause?mode=abort`` ends the streams (finish_reason "abort")
              then ``/pause`` (``clear_cache=false``); ``transfer: vllm`` adds ``/start_weight_update``
     load     folder form: ``reload_weights`` (the previous folder is restored if it fails)
@@ -129,7 +131,7 @@ class Steps:
                 return False
             rec.preempted = self.life.preempt(rid, f"replica {rid} is being updated ({pause_mode})")
             await self._leave(rid)
-        streams = [f for f in self.life.flights.get(rid, {}).values() if f.streaming]
+        streams = [f for f in self.life.flights.get(rid, {}).values() if f.streaming and f.preempted is None]
         rec.kept_streams, rec.pause_mode = len(streams), pause_mode
         rec.paused_at = time.monotonic()  # from here on, release() resumes: a failed pause may have paused
         if not rec.note(await ctl.pause(pause_mode)):  # type: ignore[arg-type]
@@ -235,5 +237,5 @@ class Steps:
         """Let preempted attempts finish leaving (their connections closed: vLLM aborts them)."""
         deadline = time.monotonic() + PREEMPT_SETTLE_S
         while time.monotonic() < deadline and any(
-                not f.streaming for f in self.life.flights.get(rid, {}).values()):
+                f.preempted is not None for f in self.life.flights.get(rid, {}).values()):
             await asyncio.sleep(DRAIN_POLL_S)

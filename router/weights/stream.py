@@ -3,28 +3,44 @@
 :func:`relay_events` reads the replica's events as fast as they come, ahead of the client, and
 counts each one's tokens when it is *read* (``StreamWatch.on_event``), so when a weight update
 marks where a kept stream changes version (``router.weights.steps``), every token the engine
-produced before its pause is already counted, however slowly the client reads. Token chunks go to
-the client at once; a chunk that may be the last one (a finish reason, usage, or no choices) is
-held until the next event, so the chunk before ``[DONE]`` gets the ``rollout_router`` object
-(or, when none was held, a chunk of its own with ``choices: []``, as vLLM's usage chunk).
+produced before its pause is already counted, however slowly the client reads.
+
+Nothing goes to the client before the stream's first token (or its end): the events before it
+(a chat stream's role chunk) are held, and ``begin(aborted)`` runs just before the first byte.
+Until then the request is as a non-streamed one that has not answered: a weight update or a
+stalled replica can take it back whole, and ``begin`` may refuse to start (raise) when the
+engine aborted it before a token (``aborted``) or its replica's version moved meanwhile. Token
+chunks then go to the client at once; a chunk that may be the last one (a finish reason, usage,
+or no choices) is held until the next event, so the chunk before ``[DONE]`` gets the
+``rollout_router`` object (or, when none was held, a chunk of its own with ``choices: []``, as
+vLLM's usage chunk).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 
+Begin = Callable[[bool], Awaitable[None]]
+"""Called once, just before the stream's first byte goes to the client, with whether the engine
+aborted it before any token (every choice's ``finish_reason`` so far is ``"abort"``); it sends
+the head, or raises to take the request back (nothing has reached the client)."""
 
-async def relay_events(resp: web.StreamResponse, up: aiohttp.ClientResponse, watch: Any, tail_bytes: int) -> bytes:
-    """Relay ``up``'s events to ``resp``; the last ``tail_bytes`` bytes read. Raises what reading
-    upstream raised (aiohttp.ClientError, asyncio.TimeoutError) or writing to the client did."""
+
+async def relay_events(resp: web.StreamResponse, up: aiohttp.ClientResponse, watch: Any, tail_bytes: int,
+                       begin: Begin) -> bytes:
+    """Relay ``up``'s events to ``resp`` (started by ``begin``); the last ``tail_bytes`` bytes
+    read. Raises what reading upstream raised (aiohttp.ClientError, asyncio.TimeoutError), what
+    writing to the client did, or what ``begin`` did; ``resp.prepared`` tells whether anything
+    had gone to the client."""
     queue: asyncio.Queue = asyncio.Queue()
     reader = asyncio.ensure_future(_read(up, watch, queue, tail_bytes))
-    writer = _Writer(resp, watch)
+    writer = _Writer(resp, watch, begin)
     try:
         while (item := await queue.get()) is not None:
             if isinstance(item, BaseException):
@@ -59,19 +75,47 @@ async def _read(up: aiohttp.ClientResponse, watch: Any, queue: asyncio.Queue, ta
 
 
 class _Writer:
-    def __init__(self, resp: web.StreamResponse, watch: Any) -> None:
-        self.resp, self.watch = resp, watch
+    def __init__(self, resp: web.StreamResponse, watch: Any, begin: Begin) -> None:
+        self.resp, self.watch, self.begin = resp, watch, begin
+        self.before: list[tuple[bytes, dict[str, Any] | None]] | None = []
+        """Events read before the first token (None once the stream began)."""
+        self.aborted = False
         self.held: dict[str, Any] | None = None
         self.last: dict[str, Any] = {}
 
     async def event(self, raw: bytes, event: dict[str, Any] | None) -> None:
+        if self.before is None:
+            return await self._relay(raw, event)
+        self.before.append((raw, event))
+        reasons = [c.get("finish_reason") for c in (event or {}).get("choices") or [] if isinstance(c, dict)]
+        self.aborted = self.aborted or "abort" in reasons
+        if event is None or any(self.watch.tokens.values()) or any(reasons) or event.get("usage"):
+            await self._start()
+
+    async def flush(self) -> None:
+        """The stream ended: begin it if no token came (nothing held back stays unsent)."""
+        if self.before is not None:
+            await self._start()
+        if self.held is not None:
+            held, self.held = self.held, None
+            await self.resp.write(b"data: " + json.dumps(held).encode() + b"\n\n")
+
+    async def _start(self) -> None:
+        before, self.before = self.before or [], None
+        await self.begin(self.aborted and not any(self.watch.tokens.values()))
+        for raw, event in before:
+            await self._relay(raw, event)
+
+    async def _relay(self, raw: bytes, event: dict[str, Any] | None) -> None:
         if raw.startswith(b"data:") and raw[5:].strip() == b"[DONE]":
             final = self.held or {k: self.last[k] for k in ("id", "object", "created", "model") if k in self.last}
             final = {**final, "choices": final.get("choices", []), "rollout_router": self.watch.final(_cached(self.held))}
             self.held = None
             await self.resp.write(b"data: " + json.dumps(final).encode() + b"\n\n" + raw + b"\n\n")
             return
-        await self.flush()
+        if self.held is not None:
+            held, self.held = self.held, None
+            await self.resp.write(b"data: " + json.dumps(held).encode() + b"\n\n")
         if event is None:
             await self.resp.write(raw + b"\n\n")
             return
@@ -81,11 +125,6 @@ class _Writer:
             self.held = event
         else:
             await self.resp.write(raw + b"\n\n")
-
-    async def flush(self) -> None:
-        if self.held is not None:
-            held, self.held = self.held, None
-            await self.resp.write(b"data: " + json.dumps(held).encode() + b"\n\n")
 
 
 def _decode(raw: bytes) -> dict[str, Any] | None:

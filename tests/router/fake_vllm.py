@@ -11,6 +11,15 @@ An ID outside ``[0, vocab_size)`` gets vLLM 0.32's 400 (``renderers/base.py``
 ``stall()`` makes completions wait while ``/health`` and ``/metrics`` still answer (a hung engine
 behind a live API server). ``/metrics`` reports the completions held as
 ``vllm:num_requests_running`` and the tokens of those answered in the token counters.
+
+Streams run as vLLM's do (``vllm/entrypoints/openai``: a ``StreamingResponse`` sends its head at
+once): the head goes at once, the request enters the engine ``enter_delay_s`` later, then makes
+``max_tokens`` tokens (``token_delay_s`` each), each token's text naming the weights loaded when
+it was made (`` w<path>``, ``w0`` before any load). The weight-update endpoints act as vLLM's
+with ``VLLM_SERVER_DEV_MODE=1``: ``/pause?mode=abort`` ends every stream in the engine with
+``finish_reason: "abort"`` (a stream not yet in it is not seen, and runs after ``/resume``),
+``mode=keep`` freezes them; ``/collective_rpc`` ``reload_weights`` loads ``weights_path``
+(``dev_mode=False``: none of them is served).
 """
 
 from __future__ import annotations
@@ -39,8 +48,10 @@ class FakeVllm:
     """One fake server; ``bodies`` holds every completion body it was sent."""
 
     def __init__(self, *, block_size: int = 16, num_gpu_blocks: int = 2000, model: str = "fake-gpu-model",
-                 root: str = "example-org/fake-gpu-model", vocab_size: int = 1000) -> None:
+                 root: str = "example-org/fake-gpu-model", vocab_size: int = 1000, dev_mode: bool = True) -> None:
         self.block_size, self.model, self.root, self.vocab_size = block_size, model, root, vocab_size
+        self.dev_mode = dev_mode
+        """The weight-update endpoints are served (vLLM's ``VLLM_SERVER_DEV_MODE=1``); else they 404."""
         self.page = metrics_page(block_size, num_gpu_blocks)
         self.bodies: list[dict] = []
         self._cached: set[tuple[int, ...]] = set()
@@ -51,6 +62,15 @@ class FakeVllm:
         self._running.set()
         self._engine = asyncio.Event()
         self._engine.set()
+        self.enter_delay_s = self.token_delay_s = 0.0
+        self.weights = "0"
+        self._unpaused = asyncio.Event()
+        self._unpaused.set()
+        self._streams: dict[int, asyncio.Event] = {}
+        """Streams in the engine: each one's abort."""
+        self.pauses: list[str] = []
+        self.break_streams = 0
+        """Streams (the next ones) whose connection is closed after the head, before any token."""
 
     def hang(self) -> None:
         """Every request from now on waits (answers nothing) until :meth:`resume`."""
@@ -71,7 +91,30 @@ class FakeVllm:
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/completions", self._completions)
+        if self.dev_mode:
+            app.router.add_post("/pause", self._pause)
+            app.router.add_post("/resume", self._resume)
+            app.router.add_post("/collective_rpc", self._collective_rpc)
         return app
+
+    async def _pause(self, request: web.Request) -> web.Response:
+        mode = request.query.get("mode", "abort")
+        self.pauses.append(mode)
+        self._unpaused.clear()
+        if mode == "abort":
+            for abort in self._streams.values():
+                abort.set()
+        return web.json_response({})
+
+    async def _resume(self, _: web.Request) -> web.Response:
+        self._unpaused.set()
+        return web.json_response({})
+
+    async def _collective_rpc(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        if body.get("method") == "reload_weights":
+            self.weights = str(body["kwargs"]["weights_path"])
+        return web.json_response({"results": [None]})
 
     async def _health(self, _: web.Request) -> web.Response:
         await self._running.wait()
@@ -118,18 +161,52 @@ class FakeVllm:
         usage = {"prompt_tokens": len(prompt), "completion_tokens": 1, "total_tokens": len(prompt) + 1,
                  "prompt_tokens_details": {"cached_tokens": cached}}
         head = {"id": f"cmpl-{len(self.bodies)}", "object": "text_completion", "model": body["model"]}
-        if body.get("stream"):  # one token, then the usage chunk and [DONE], as vLLM streams them
-            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-            await resp.prepare(request)
-            chunks = [{**head, "choices": [{"index": 0, "text": " ok", "finish_reason": "length", "logprobs": None}]},
-                      {**head, "choices": [], "usage": usage}]
-            for chunk in chunks:
-                await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-            await resp.write(b"data: [DONE]\n\n")
-            await resp.write_eof()
-            return resp
+        if body.get("stream"):
+            return await self._stream(request, body, head, usage)
         return web.json_response({**head, "usage": usage,
                                   "choices": [{"index": 0, "text": " ok", "finish_reason": "length", "logprobs": None}]})
+
+
+    async def _stream(self, request: web.Request, body: dict, head: dict, usage: dict) -> web.StreamResponse:
+        """The head at once, then the tokens, the usage chunk and ``[DONE]`` (module docstring)."""
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        if self.break_streams > 0:  # the server dies after the head: no terminating chunk
+            self.break_streams -= 1
+            assert request.transport is not None
+            request.transport.close()
+            return resp
+
+        async def send(choice: dict | None, **extra) -> None:
+            chunk = {**head, "choices": [] if choice is None else [{"index": 0, "logprobs": None, **choice}], **extra}
+            await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+
+        await asyncio.sleep(self.enter_delay_s)
+        key, abort = id(resp), asyncio.Event()
+        self._streams[key] = abort
+        try:
+            n = body.get("max_tokens") or 1
+            for i in range(n):
+                step = asyncio.ensure_future(self._step())
+                stop = asyncio.ensure_future(abort.wait())
+                await asyncio.wait([step, stop], return_when=asyncio.FIRST_COMPLETED)
+                step.cancel(), stop.cancel()
+                if abort.is_set():
+                    await send({"text": "", "finish_reason": "abort"})
+                    break
+                await send({"text": f" w{self.weights}", "finish_reason": "length" if i == n - 1 else None})
+        finally:
+            del self._streams[key]
+        await send(None, usage=usage)
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def _step(self) -> None:
+        """One engine step: it waits while the engine is paused, at its start and its end."""
+        await self._unpaused.wait()
+        await asyncio.sleep(self.token_delay_s)
+        await self._unpaused.wait()
 
 
 @contextlib.asynccontextmanager

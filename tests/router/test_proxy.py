@@ -18,6 +18,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from replicas.auth import PROCESS_KEYS
 from router.errors import UpstreamError
 from router.proxy import FAILED, STREAM_ERROR_CODE, post_json, relay_stream
+from router.weights.report import StreamWatch
 from router.upstream import ReplicaClient, ReplicaUnreachable
 
 pytestmark = pytest.mark.asyncio(loop_scope="function")
@@ -270,7 +271,8 @@ async def test_a_stream_its_replica_breaks_ends_with_an_error_event_and_done():
     server, url = await _server(handle)
     async with server, aiohttp.ClientSession() as upstream:
         async def relay(request: web.Request) -> web.StreamResponse:
-            resp = await relay_stream(request, upstream, url + "/v1/completions", {"stream": True}, {})
+            resp = await relay_stream(request, upstream, url + "/v1/completions", {"stream": True}, {},
+                                      StreamWatch({}, lambda cached: {}))
             assert resp[FAILED] is True
             return resp
 

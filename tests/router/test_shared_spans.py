@@ -14,7 +14,7 @@ import pytest
 from cache_policy.core import RequestSpec
 from cache_policy.types import ReplicaId
 from router import keys
-from router.lifecycle import Flight
+from router.lifecycle import Flight, Rerun
 from router.weights.report import first_span, version_note
 from tests.router.edge_fixtures import edge_router, fake_replica
 
@@ -25,11 +25,12 @@ _prefixes = itertools.count()
 
 
 def _kept_stream(app, tokens: int) -> Flight:
-    """A stream ``app``'s router relays from replica-0 (as ``Lifecycle._fly`` registers one)."""
+    """A stream ``app``'s router relays from replica-0 (as ``Lifecycle._fly`` registers one); with
+    ``tokens``, its first token went to the client (``Lifecycle.answer_starts``)."""
     core, life = app[keys.CORE], app[keys.LIFECYCLE]
     job = core.open(RequestSpec(list(range(100, 164))), 0.0)
     core.place(job, 0.0)
-    flight = Flight(job, True, spans=[first_span(core, job)], tokens={0: tokens})
+    flight = Flight(job, True, spans=[first_span(core, job)], tokens={0: tokens}, answering=tokens > 0)
     life.flights.setdefault(R0, {})[job.id] = flight
     return flight
 
@@ -49,11 +50,15 @@ async def test_another_routers_kept_stream_enters_the_new_span_before_the_update
             edge_router(replica, **shared) as (_, b):
         state_a = a[keys.LIFECYCLE].shared
         stream = _kept_stream(b, tokens=7)
+        unstarted = _kept_stream(b, tokens=0)  # before its first token: it runs again at it instead
         _update(a, 1)
         assert await state_a.publish_versions(a[keys.CORE], {R0: recomputed})
         assert await state_a.await_marked(timeout_s=5.0) == []
         # b's stream is in the new span already: what the engine computes after the resume is v1's
         assert [s["weight_version"] for s in stream.spans] == [0, 1]
+        assert [s["weight_version"] for s in unstarted.spans] == [0]
+        with pytest.raises(Rerun):
+            b[keys.LIFECYCLE].answer_starts(unstarted.job)
         assert stream.spans[1]["from_token"] == {0: 7}
         assert stream.spans[1]["hybrid"] is (not recomputed)
         note = version_note(b[keys.CORE], stream.job, stream.spans, cached=None, tokens={0: 12})

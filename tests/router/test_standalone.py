@@ -252,7 +252,7 @@ async def test_an_update_through_servers_without_dev_mode_fails_and_leaves_them_
     # vLLM started without VLLM_SERVER_DEV_MODE=1 has no /pause (404): the update fails naming
     # the missing mode, and every replica stays in rotation on its weights (a fresh user's fleet
     # went out of service for good after one update)
-    fakes = [FakeVllm(block_size=16), FakeVllm(block_size=16)]
+    fakes = [FakeVllm(block_size=16, dev_mode=False), FakeVllm(block_size=16, dev_mode=False)]
     admin = {"Authorization": "Bearer admin-secret"}
     async with serving(fakes[0]) as url0, serving(fakes[1]) as url1:
         config = tmp_path / "router.yaml"

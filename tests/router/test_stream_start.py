@@ -1,0 +1,99 @@
+"""A stream is a request like any other until its first token reaches the client: nothing (not
+even its head) goes before it, so until then the router can still run it again whole.
+
+Real routers over real HTTP on loopback, in front of fake vLLM servers whose streams run as
+vLLM's do (``tests.router.fake_vllm``: the head at once, the request in the engine later, each
+token naming the weights that made it). A fresh attacker found both of the first two cases on
+real vLLM: under ``pause_mode: abort`` a stream sent just before the pause was not yet in the
+engine, so the abort missed it, and it ran on the new weights while claiming the old version;
+and a stream aborted before its first token ended as an empty 200.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from typing import Any
+
+import aiohttp
+import pytest
+
+from tests.router.fake_vllm import FakeVllm, serving
+from tests.router.test_fleet_changes import ADMIN, router, until
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+PROMPT = list(range(10, 74))
+
+
+async def stream(url: str, max_tokens: int) -> tuple[int, list[dict[str, Any]]]:
+    """POST a streamed completion; its status and its ``data:`` events (``[DONE]`` as a string)."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
+        body = {"prompt": PROMPT, "max_tokens": max_tokens, "stream": True}
+        async with http.post(url + "/v1/completions", json=body) as r:
+            raw = await r.read()
+            status = r.status
+    events = [e[6:] for e in raw.decode().split("\n\n") if e.startswith("data: ")]
+    return status, [e if e == "[DONE]" else json.loads(e) for e in events]
+
+
+def texts(events: list) -> list[str]:
+    return [c["text"] for e in events if isinstance(e, dict) for c in e.get("choices", []) if c.get("text")]
+
+
+def note(events: list) -> dict[str, Any]:
+    """The ``rollout_router`` object of the chunk before ``[DONE]``."""
+    assert events[-1] == "[DONE]", events
+    return events[-2]["rollout_router"]
+
+
+async def test_a_stream_not_yet_in_the_engine_at_an_abort_pause_runs_again_on_the_new_weights():
+    fake = FakeVllm()
+    fake.enter_delay_s, fake.token_delay_s = 1.0, 0.02  # the pause comes before it reaches the engine
+    async with serving(fake) as base, router([base]) as (url, _, _rs):
+        client = asyncio.ensure_future(stream(url, max_tokens=4))
+        await until(lambda: _true(len(fake.bodies) == 1), what="the stream sent")
+        update = {"version": 1, "weights_path": "1", "policy": "keep", "pause_mode": "abort"}
+        async with aiohttp.ClientSession() as http:
+            async with http.post(url + "/admin/weights", json=update, headers=ADMIN) as r:
+                report = await r.json()
+        status, events = await asyncio.wait_for(client, 30)
+    assert report["ok"] and fake.pauses == ["abort"], report
+    assert status == 200 and texts(events) == [" w1"] * 4, events  # every token from the new weights
+    claim = note(events)
+    assert (claim["weight_version"], claim["weight_versions"], claim["reruns"]) == (1, [1], 1), claim
+    assert len(fake.bodies) == 2  # taken back before its pause, sent again after it
+
+
+async def test_a_stream_aborted_before_its_first_token_runs_again_instead_of_an_empty_answer():
+    fake = FakeVllm()
+    fake.token_delay_s = 0.5
+    async with serving(fake) as base, router([base]) as (url, _, _rs):
+        client = asyncio.ensure_future(stream(url, max_tokens=2))
+        await until(lambda: _true(len(fake._streams) == 1), what="the stream in the engine")
+        async with aiohttp.ClientSession() as http:  # another router's update pauses it (abort), resumes
+            for path in ("/pause?mode=abort", "/resume"):
+                async with http.post(base + path) as r:
+                    assert r.status == 200
+        status, events = await asyncio.wait_for(client, 30)
+    assert status == 200 and texts(events) == [" w0", " w0"], events
+    finishes = [c.get("finish_reason") for e in events if isinstance(e, dict) for c in e.get("choices", [])]
+    assert "abort" not in finishes and finishes[-1] == "length", events
+    assert note(events)["reruns"] == 1 and len(fake.bodies) == 2
+
+
+async def test_a_replica_that_breaks_before_the_first_token_is_retried_elsewhere_unseen():
+    fake = FakeVllm()
+    fake.break_streams = 1
+    async with contextlib.AsyncExitStack() as stack:
+        bases = [await stack.enter_async_context(serving(fake)) for _ in range(2)]  # two replicas, one server
+        url, app, _rs = await stack.enter_async_context(router(bases))
+        status, events = await asyncio.wait_for(stream(url, max_tokens=2), 30)
+    assert status == 200 and texts(events) == [" w0", " w0"], events  # no error event: the client saw nothing
+    assert not [e for e in events if isinstance(e, dict) and "error" in e], events
+    assert len(fake.bodies) == 2
+
+
+async def _true(value: bool) -> bool:
+    return value
