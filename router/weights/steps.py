@@ -47,7 +47,8 @@ class ReplicaUpdate:
 
     replica: str
     phase: str = "queued"
-    """queued | draining | paused (ready for weights) | loading | committing | done | released | failed"""
+    """queued | draining | paused (ready for weights) | loading | committing | done | released | failed
+    | skipped (a rolling update stopped at an earlier replica's failed load: never touched)"""
     ok: bool = False
     weights: WeightsState = "previous"
     weight_version: int | None = None
@@ -70,6 +71,8 @@ class ReplicaUpdate:
     """Seconds from this replica's hold to its engine's pause (the drain, and taking work back)."""
     started: float = field(default_factory=time.monotonic, repr=False)
     paused_at: float | None = field(default=None, repr=False)
+    load_failed: bool = field(default=False, repr=False)
+    """Its load (``Steps.load``) was answered with an error: the weights, not the replica, may be at fault."""
 
     def note(self, error: str | None) -> bool:
         """Add ``error`` (if any) to the record; True when there was none."""
@@ -79,9 +82,9 @@ class ReplicaUpdate:
 
     def as_json(self) -> dict[str, Any]:
         out = asdict(self)
-        out.pop("started"), out.pop("paused_at")
+        out.pop("started"), out.pop("paused_at"), out.pop("load_failed")
         out["seconds"] = round(time.monotonic() - self.started, 3) if self.phase not in (
-            "done", "released", "failed") else round(self.seconds, 3)
+            "done", "released", "failed", "skipped") else round(self.seconds, 3)
         out["paused_s"] = round(self.paused_s, 3)
         return out
 
@@ -148,8 +151,15 @@ class Steps:
         """Folder form: reload ``path``; True when the new weights are in."""
         rec.phase = "loading"
         rec.weights, error = await self.control(rid).load(path, self.paths.get(rid))
-        rec.note(error)
+        rec.load_failed = not rec.note(error)
         return rec.weights == "new"
+
+    def skip(self, rec: ReplicaUpdate, failed: ReplicaId, path: str) -> None:
+        """Not updated: loading ``path`` failed on ``failed`` first (a rolling update stops there
+        rather than pause every replica to try the same weights again)."""
+        rec.phase, rec.weight_version = "skipped", self.core.versions.loaded.get(ReplicaId(rec.replica))
+        rec.note(f"not updated: loading {path!r} failed on {failed} first (a rolling update stops at its first "
+                 "failed load; fix the weights and update again)")
 
     async def commit(self, rid: ReplicaId, rec: ReplicaUpdate, version: int, policy: str, preempt_running: bool,
                      *, transfer: bool = False, new_path: str | None = None) -> None:

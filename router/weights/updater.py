@@ -114,8 +114,13 @@ class WeightUpdater:
                 await asyncio.gather(*(self._hold(rid, upd) for rid in targets))
                 await asyncio.gather(*(self._one(rid, upd, held=True) for rid in targets))
             else:
+                failed: ReplicaId | None = None
                 for rid in targets:
+                    if failed is not None:
+                        self.steps.skip(upd.replicas[rid], failed, upd.req.weights_path or "")
+                        continue
                     await self._one(rid, upd)
+                    failed = rid if upd.replicas[rid].load_failed else None
             if not targets:
                 self.core.finish_update(upd.req.version, upd.req.policy)  # type: ignore[arg-type]
             upd.phase = "done"

@@ -18,7 +18,8 @@ once): the head goes at once, the request enters the engine ``enter_delay_s`` la
 it was made (`` w<path>``, ``w0`` before any load). The weight-update endpoints act as vLLM's
 with ``VLLM_SERVER_DEV_MODE=1``: ``/pause?mode=abort`` ends every stream in the engine with
 ``finish_reason: "abort"`` (a stream not yet in it is not seen, and runs after ``/resume``),
-``mode=keep`` freezes them; ``/collective_rpc`` ``reload_weights`` loads ``weights_path``
+``mode=keep`` freezes them; ``/collective_rpc`` ``reload_weights`` loads ``weights_path`` (one
+starting with ``missing`` is refused, 400)
 (``dev_mode=False``: none of them is served).
 """
 
@@ -69,6 +70,7 @@ class FakeVllm:
         self._streams: dict[int, asyncio.Event] = {}
         """Streams in the engine: each one's abort."""
         self.pauses: list[str] = []
+        self.loads: list[str] = []
         self.break_streams = 0
         """Streams (the next ones) whose connection is closed after the head, before any token."""
 
@@ -113,7 +115,12 @@ class FakeVllm:
     async def _collective_rpc(self, request: web.Request) -> web.Response:
         body = await request.json()
         if body.get("method") == "reload_weights":
-            self.weights = str(body["kwargs"]["weights_path"])
+            path = str(body["kwargs"]["weights_path"])
+            self.loads.append(path)
+            if path.startswith("missing"):  # refused before the worker touched the model
+                return web.json_response({"error": {"message": f"no checkpoint at {path}", "type": "BadRequestError",
+                                                    "param": None, "code": 400}}, status=400)
+            self.weights = path
         return web.json_response({"results": [None]})
 
     async def _health(self, _: web.Request) -> web.Response:

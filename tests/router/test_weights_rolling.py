@@ -1,0 +1,38 @@
+"""A rolling weight update stops at its first failed load (no vLLM: a real router over real HTTP
+in front of fake vLLM servers with the weight-update endpoints). A fresh attacker saw a bad
+``weights_path`` pause every replica in turn, each to fail the same load."""
+
+from __future__ import annotations
+
+import aiohttp
+import pytest
+
+from tests.router.fake_vllm import FakeVllm, serving
+from tests.router.test_fleet_changes import ADMIN, router
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+
+async def update(url: str, path: str) -> dict:
+    body = {"version": 1, "weights_path": path, "policy": "salt", "mode": "rolling"}
+    async with aiohttp.ClientSession() as http:
+        async with http.post(url + "/admin/weights", json=body, headers=ADMIN) as r:
+            return await r.json()
+
+
+async def test_a_rolling_update_stops_at_the_first_failed_load_and_leaves_the_rest_untouched():
+    fakes = [FakeVllm(), FakeVllm(), FakeVllm()]
+    async with serving(fakes[0]) as u0, serving(fakes[1]) as u1, serving(fakes[2]) as u2, \
+            router([u0, u1, u2]) as (url, _, _rs):
+        report = await update(url, "missing-ckpt")
+        first = [f for f in fakes if f.loads]
+        assert len(first) == 1 and first[0].loads == ["missing-ckpt"]  # tried once, on one replica
+        assert sum(len(f.pauses) for f in fakes) == 1  # the others were never paused
+        phases = sorted(r["phase"] for r in report["replicas"])
+        assert not report["ok"] and phases == ["released", "skipped", "skipped"], report
+        assert all(r["in_rotation"] and r["weight_version"] == 0 for r in report["replicas"]), report
+        skipped = [r for r in report["replicas"] if r["phase"] == "skipped"]
+        assert all("missing-ckpt" in r["error"] and "failed on replica-" in r["error"] for r in skipped), skipped
+        # good weights then update every replica, the first included
+        report = await update(url, "ckpt-1")
+        assert report["ok"] and [f.weights for f in fakes] == ["ckpt-1"] * 3, report
