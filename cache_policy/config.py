@@ -127,6 +127,14 @@ class PolicyConfig:
     metrics scrape (off with ``router.scrape_interval_s: 0``). Longer than any one engine step (a
     long prefill on a slow host); 0: off."""
 
+    stall_restart_after: int = 3
+    """Stalls in a row (no token finished between them) after which the router asks the
+    replica's supervisor to restart it (``DecisionCore.restart_due``): an engine that hung for
+    good (a GPU or NCCL hang) otherwise holds its GPU, out of rotation, forever. With the
+    default timeout the third stall in a row comes about 4 minutes after the first. Only
+    replicas the router's replica set launched are restarted (``replicas.urls`` servers are
+    not managed); 0: never."""
+
     key_ttl_s: float = 3600.0
     """A session's or group's record (pin, start version) unseen for longer than this, with
     nothing in flight, is forgotten; a keep+salt session keeps its start version until then."""
@@ -148,6 +156,7 @@ class PolicyConfig:
         _at_least(self, "max_pins", 1)
         _at_least(self, "failures_out_of_rotation", 1)
         _at_least(self, "stall_timeout_s", 0)
+        _at_least(self, "stall_restart_after", 0)
         _at_least(self, "move_queue_cost_tokens", 0)
         _positive(self, "predicted_ttl_s")
         _positive(self, "balance_window_s")

@@ -334,6 +334,14 @@ class DecisionCore:
         return (rec is not None and rec.stalled_until is not None and now < rec.stalled_until
                 and self.cfg.stall_timeout_s > 0 and rid not in self.versions.rotation)
 
+    def restart_due(self, rid: ReplicaId, now: float) -> bool:
+        """Whether ``rid`` is stalled at ``now`` for the ``policy.stall_restart_after``-th time in
+        a row (no token finished between the stalls): its engine hung for good, and a supervisor
+        that can should restart it (``router.scrape``). False with the rule off (0)."""
+        rec = self.replicas.get(rid)
+        after = self.cfg.stall_restart_after
+        return rec is not None and after > 0 and rec.stalls >= after and self.stalled(rid, now)
+
     def cache_reset(self, rid: ReplicaId) -> None:
         """``rid``'s prefix cache was emptied (a confirmed reset): predict no hits there; its
         cache now holds KV of its loaded version only."""

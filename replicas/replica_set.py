@@ -165,6 +165,16 @@ class ReplicaSet(Membership):
         """Supervisor hook: the ready replicas by index, less those being removed (a copy)."""
         return {i: e for i, e in self._endpoints.items() if i not in self._leaving}
 
+    def engine_stalled(self, rid: ReplicaId, reason: str) -> bool:
+        """Router hook: ``rid``'s engine hung for good (``DecisionCore.restart_due``): restart it
+        through the supervisor (``Supervisor.wedged``). True when a restart began; False for a
+        replica this set did not launch (``urls``), an unknown one, or with supervision off."""
+        try:
+            index = replica_index(rid)
+        except KeyError:
+            return False
+        return index in self._endpoints and self._supervisor.wedged(index, reason)
+
     def managed(self, index: int) -> bool:
         """Supervisor hook: True if this set launched replica ``index`` (it can restart it)."""
         return index in self._actors

@@ -13,6 +13,9 @@ process that owns the set, checks each replica every ``interval_s``:
    engine errors show here; a timeout, a refused connection, any status but 200 or any
    exception is a failed check. The first failed check publishes ``unhealthy``; the next 200
    publishes ``healthy``; ``restart_after_failures`` failures in a row mean wedged: restart.
+3. an engine hung behind a live API server answers ``/health``; the router finds it stalled
+   (no token finished while it holds work) and, after a few stalls in a row, calls
+   :meth:`Supervisor.wedged` (``ReplicaSet.engine_stalled``): restart.
 
 A restart waits ``backoff_initial_s * 2**k`` (at most ``backoff_max_s``), k = restarts already
 made in the last ``restart_window_s``; past ``max_restarts`` in that window the replica is
@@ -185,6 +188,19 @@ class Supervisor:
             return f"GET /health gave no answer within {self.cfg.health_timeout_s:g} s"
         except Exception as exc:  # noqa: BLE001 - any failure of a peer is a failed check
             return f"GET /health failed: {type(exc).__name__}: {exc}"
+
+    def wedged(self, index: int, reason: str) -> bool:
+        """Replica ``index`` hangs in a way ``/health`` does not show (its router found its engine
+        stalled: ``PolicyConfig.stall_restart_after``): restart it, within the same budget as
+        any restart. True when a restart began; False when supervision is off, this set did not
+        launch it, or a restart is already under way."""
+        if not self.cfg.enabled or not self.owner.managed(index):
+            return False
+        watch = self._watches.setdefault(index, _Watch(RestartBudget(self.cfg)))
+        if watch.restarting is not None:
+            return False
+        self._begin_restart(index, watch, reason)
+        return True
 
     def _begin_restart(self, index: int, watch: _Watch, reason: str) -> None:
         watch.restarting = asyncio.get_running_loop().create_task(self._restart(index, watch, reason))

@@ -112,6 +112,19 @@ async def _http_session(app: web.Application) -> AsyncIterator[None]:
             await upstream.close()
 
 
+def _restart_hung(app: web.Application, core, now: float) -> None:
+    """Ask the replica set's supervisor to restart each replica whose engine stalled
+    ``policy.stall_restart_after`` times in a row (``DecisionCore.restart_due``); said once per
+    restart begun. Replicas the set did not launch (``replicas.urls``) are left out of rotation."""
+    replica_set = app.get(fleet.FLEET)
+    for rid in list(core.replicas):
+        if core.restart_due(rid, now) and replica_set is not None and replica_set.engine_stalled(
+                rid, f"its engine stalled {core.replicas[rid].stalls} times in a row (no token finished "
+                     f"for policy.stall_timeout_s={core.cfg.stall_timeout_s:g} s while it held work)"):
+            log.warning("replica %s: its engine stalled %d times in a row: restarting it", rid,
+                        core.replicas[rid].stalls)
+
+
 async def _stop_polling(busy_poll: BusyPoll) -> None:
     busy_poll.close()
 
@@ -150,6 +163,7 @@ async def _scrape_loop(app: web.Application, interval_s: float, rounds: ScrapeRo
             if rid in core.replicas and not core.replicas[rid].healthy and rid in pool and pool.get(rid).silent:
                 why = "its engine stalled" if core.stalled(rid, started) else "it stopped answering its metrics scrapes"
                 app[keys.LIFECYCLE].abandon(rid, f"replica {rid}: {why}")
+        _restart_hung(app, core, started)
         for exc in results:
             if isinstance(exc, Exception) and repr(type(exc)) not in seen:
                 seen.add(repr(type(exc)))

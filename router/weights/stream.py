@@ -87,9 +87,12 @@ class _Writer:
         if self.before is None:
             return await self._relay(raw, event)
         self.before.append((raw, event))
-        reasons = [c.get("finish_reason") for c in (event or {}).get("choices") or [] if isinstance(c, dict)]
+        choices = (event or {}).get("choices") or []
+        reasons = [c.get("finish_reason") for c in choices if isinstance(c, dict)]
         self.aborted = self.aborted or "abort" in reasons
-        if event is None or any(self.watch.tokens.values()) or any(reasons) or event.get("usage"):
+        # begins at the first token, a finish, or an event without choices (the usage chunk; a
+        # chat role chunk, even with continuous usage stats, waits for the token behind it)
+        if event is None or any(self.watch.tokens.values()) or any(reasons) or not choices:
             await self._start()
 
     async def flush(self) -> None:

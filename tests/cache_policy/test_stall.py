@@ -144,3 +144,33 @@ def test_an_engine_showing_requests_it_never_finishes_stays_out():
         c.observe_load("r0", load(2, 7), float(t))
         out.append(c.stalled("r0", float(t)))
     assert not any(out[:10]) and all(out[10:])
+
+
+def test_a_restart_is_due_at_the_configured_stall_in_a_row_and_a_token_in_between_resets_the_count():
+    # hung while holding a request it never finishes: stalls at 10, 20 (10 + 10), 40 (20 + 20) s
+    c = DecisionCore(PolicyConfig(stall_timeout_s=10.0, stall_restart_after=3))
+    c.add_replica("r0", block_size=16, num_gpu_blocks=100)
+    due = []
+    for t in range(0, 60):
+        c.observe_load("r0", load(1, 7), float(t))
+        if c.restart_due("r0", float(t)):
+            due.append(t)
+    assert due[0] == 40 and c.replicas["r0"].stalls == 3, due  # the third stall, not before
+    # one token between two stalls starts the count again: never three in a row
+    c = DecisionCore(PolicyConfig(stall_timeout_s=10.0, stall_restart_after=3))
+    c.add_replica("r0", block_size=16, num_gpu_blocks=100)
+    tokens = 7
+    for t in range(0, 200):
+        if t % 30 == 25:
+            tokens += 1  # the engine is slow, not hung: a token every 30 s (two stalls between)
+        c.observe_load("r0", load(1, tokens), float(t))
+        assert not c.restart_due("r0", float(t)), t
+    assert c.replicas["r0"].stalls == 2
+    never = DecisionCore(PolicyConfig(stall_timeout_s=10.0, stall_restart_after=0))
+    never.add_replica("r0", block_size=16, num_gpu_blocks=100)
+    for t in range(0, 400):
+        never.observe_load("r0", load(1, 7), float(t))
+        assert not never.restart_due("r0", float(t))
+    assert never.replicas["r0"].stalls >= 4 and not never.restart_due("nope", 0.0)
+    with pytest.raises(ValueError, match="stall_restart_after"):
+        PolicyConfig(stall_restart_after=-1)

@@ -208,3 +208,29 @@ async def test_a_failing_event_handler_does_not_stop_delivery():
         events.publish("unhealthy", replica_id(0), None, "x")
     await events.close()
     assert got == [1, 2, 3]
+
+
+async def test_a_replica_its_router_found_hung_is_restarted_once_within_the_budget(peers):
+    # an engine hung behind a live API server answers /health: only the router's stall rule sees
+    # it (DecisionCore.restart_due), and it asks the supervisor (ReplicaSet.engine_stalled)
+    ok, fresh = await peers.serve(_ok), await peers.serve(_ok)
+    events, seen = EventBus(), []
+    events.subscribe(seen.append)
+    async with aiohttp.ClientSession() as session:
+        owner = _Owner(session, {0: ok, 1: ok}, managed={0})
+        owner.next_urls = [fresh]
+        sup = Supervisor(owner, FAST, events)
+        assert sup.wedged(0, "its engine stalled 3 times in a row")
+        assert not sup.wedged(0, "again, while the restart runs")  # one restart at a time
+        assert not sup.wedged(1, "not launched by this set")  # replicas.urls: never restarted
+        off = Supervisor(owner, SupervisionConfig(enabled=False), events)
+        assert not off.wedged(0, "supervision off")
+        for _ in range(100):
+            if all(w.restarting is None for w in sup._watches.values()):
+                break
+            await asyncio.sleep(0.02)
+        await sup.stop()
+        await events.close()
+    assert owner.restarts == [0]
+    assert [(e.kind, e.replica_id) for e in seen] == [("restarting", "replica-0"), ("restarted", "replica-0")]
+    assert "stalled 3 times" in seen[0].reason and seen[1].endpoint.base_url == fresh

@@ -196,6 +196,40 @@ async def test_an_engine_hung_behind_its_live_api_server_is_noticed_and_its_turn
     assert stalls.labels(pinned)._value.get() == 1  # found stalled once
 
 
+async def test_an_engine_that_stays_hung_is_restarted_by_its_supervisor(fleet):
+    # the engine stopped for good while it ran a request: stalled once (the turn runs elsewhere),
+    # out for the timeout, then at once stalled again (its gauges still show the request
+    # running); at policy.stall_restart_after stalls in a row the router asks the replica set's
+    # supervisor, which restarts it at a new URL (its /health never failed)
+    core = fleet.app[keys.CORE]
+    saved = core.cfg
+    core.cfg = dataclasses.replace(saved, stall_timeout_s=2.0, stall_restart_after=2)
+    headers = {"X-Session-Id": "hung-engine-2"}
+    body = {"prompt": [(41 * i + 13) % 500 + 5 for i in range(120)], "max_tokens": 400, "ignore_eos": True}
+    try:
+        async with fleet.http.post(fleet.url + "/v1/completions", json={**body, "max_tokens": 4},
+                                   headers=headers) as r:
+            assert r.status == 200, await r.text()
+            victim = r.headers["X-Rollout-Replica"]
+        old_url, since = fleet.rs.endpoint(victim).base_url, time.monotonic()
+        async with EngineBrake((await fleet.rs.info(victim)).pid) as brake:
+            turn = asyncio.ensure_future(fleet.http.post(fleet.url + "/v1/completions", json=body, headers=headers))
+            await _until(lambda: core.admission.ledger.count(victim) > 0, 60, "the turn running on its replica")
+            await asyncio.sleep(0.5)  # decoding: the engine's gauges show it running
+            brake.hold()
+            async with await turn as r:
+                assert r.status == 200 and r.headers["X-Rollout-Replica"] != victim, await r.text()
+            urls = lambda: {e.replica_id: e.base_url for e in fleet.rs.endpoints}  # noqa: E731
+            await _until(lambda: urls().get(victim, old_url) != old_url and victim in core.replicas
+                         and core.replicas[victim].healthy, BACK_WITHIN_S, f"{victim} restarted and back")
+    finally:
+        core.cfg = saved
+    restarts = [e for t, e in fleet.events if t > since and e.kind == "restarting" and e.replica_id == victim]
+    assert len(restarts) == 1 and "stalled 2 times in a row" in restarts[0].reason, restarts
+    async with fleet.http.post(fleet.url + "/v1/completions", json={**body, "max_tokens": 4}) as r:
+        assert r.status == 200, await r.text()
+
+
 async def test_api_server_sigkilled_under_load(fleet):
     rs, victim = fleet.rs, "replica-0"
     old_url = rs.endpoint(victim).base_url
