@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from typing import Any
 
 from aiohttp import web
 
@@ -156,16 +158,29 @@ def _fleet(request: web.Request):
     return fleet
 
 
+def replica_rows(app: web.Application) -> list[dict[str, Any]]:
+    """Every replica as ``GET /health`` and ``GET /admin/replicas`` show it: its URL, health
+    (``stalled``: its engine holds work and finishes no token, ``DecisionCore.stalled``),
+    rotation (out during a weight update, with the reason), requests in flight, KV cache usage,
+    scoring cap and weight version."""
+    core, pool, now = app[keys.CORE], app[keys.POOL], time.monotonic()
+    rows = []
+    for s in pool.states():
+        rid = s.endpoint.replica_id
+        rec = core.replicas.get(rid)
+        rows.append({
+            "replica": rid, "url": s.endpoint.base_url, "healthy": rec is not None and rec.healthy,
+            "stalled": core.stalled(rid, now), "in_flight": core.in_flight(rid),
+            "kv_cache_usage": s.metrics.kv_cache_usage, "scoring_cap": s.endpoint.scoring_cap,
+            "weight_version": core.versions.loaded.get(rid), "in_rotation": rid not in core.versions.rotation,
+            "out_of_rotation_reason": core.versions.rotation.get(rid),
+        })
+    return rows
+
+
 async def list_replicas(request: web.Request) -> web.Response:
-    """GET /admin/replicas: every replica, its URL, health, rotation and load."""
-    core, pool = request.app[keys.CORE], request.app[keys.POOL]
-    return web.json_response({"replicas": [{
-        "replica": s.endpoint.replica_id, "url": s.endpoint.base_url,
-        "healthy": s.endpoint.replica_id in core.replicas and core.replicas[s.endpoint.replica_id].healthy,
-        "in_rotation": s.endpoint.replica_id not in core.versions.rotation,
-        "out_of_rotation_reason": core.versions.rotation.get(s.endpoint.replica_id),
-        "in_flight": core.in_flight(s.endpoint.replica_id),
-    } for s in pool.states()]})
+    """GET /admin/replicas: every replica (:func:`replica_rows`)."""
+    return web.json_response({"replicas": replica_rows(request.app)})
 
 
 async def add_replica(request: web.Request) -> web.Response:

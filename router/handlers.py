@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from router import keys
+from router import fleet, keys
 from router.errors import echo
 from router.generate import forward
 from router.intake import read_chat, read_completion
@@ -38,18 +38,7 @@ async def models(request: web.Request) -> web.Response:
 
 async def health(request: web.Request) -> web.Response:
     """GET /health: 200 while at least one healthy replica is in rotation, else 503; lists replicas."""
-    pool, core = request.app[keys.POOL], request.app[keys.CORE]
-    rotation = core.versions.rotation
-    replicas = []
-    for s in pool.states():
-        rid = s.endpoint.replica_id
-        rec = core.replicas.get(rid)
-        replicas.append({
-            "replica": rid, "url": s.endpoint.base_url, "healthy": rec is not None and rec.healthy,
-            "in_flight": core.in_flight(rid), "kv_cache_usage": s.metrics.kv_cache_usage,
-            "scoring_cap": s.endpoint.scoring_cap, "weight_version": core.versions.loaded.get(rid),
-            "in_rotation": rid not in rotation, "out_of_rotation_reason": rotation.get(rid),
-        })
+    replicas = fleet.replica_rows(request.app)
     ok = any(r["healthy"] and r["in_rotation"] for r in replicas)
     return web.json_response({"status": "ok" if ok else "unavailable", "replicas": replicas},
                              status=200 if ok else 503)
