@@ -19,6 +19,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from router import keys
 from tests.router.fake_vllm import FakeVllm, serving
 from tests.router.test_fleet_changes import ADMIN, router, until
 
@@ -97,3 +98,19 @@ async def test_a_replica_that_breaks_before_the_first_token_is_retried_elsewhere
 
 async def _true(value: bool) -> bool:
     return value
+
+
+async def test_a_client_that_leaves_before_the_first_token_leaves_nothing_behind():
+    fake = FakeVllm()
+    fake.token_delay_s = 3.0  # a long prefill: nothing has gone to the client when it leaves
+    async with serving(fake) as base, router([base]) as (url, app, _rs):
+        life, core = app[keys.LIFECYCLE], app[keys.CORE]
+        with pytest.raises(asyncio.TimeoutError):
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.5)) as http:
+                body = {"prompt": PROMPT, "max_tokens": 2, "stream": True}
+                async with http.post(url + "/v1/completions", json=body) as r:
+                    await r.read()
+        await until(lambda: _true(not fake._streams), what="the engine's request aborted (its connection closed)")
+        await until(lambda: _true(life.state_sizes() == {"flights": 0, "waiters": 0, "reruns": 0}
+                                  and core.in_flight("replica-0") == 0), what="the router's state empty")
+    assert len(fake.bodies) == 1  # not run again: the client is gone
