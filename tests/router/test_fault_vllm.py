@@ -197,27 +197,29 @@ async def test_an_engine_hung_behind_its_live_api_server_is_noticed_and_its_turn
 
 
 async def test_an_engine_that_stays_hung_is_restarted_by_its_supervisor(fleet):
-    # the engine stopped for good while it ran a request: stalled once (the turn runs elsewhere),
-    # out for the timeout, then at once stalled again (its gauges still show the request
-    # running); at policy.stall_restart_after stalls in a row the router asks the replica set's
-    # supervisor, which restarts it at a new URL (its /health never failed)
+    # an engine hung for good behind its live API server: a pinned turn sent there stalls (run
+    # elsewhere), the replica is out for the timeout, then back; the next request its cache
+    # draws there stalls again, and at policy.stall_restart_after stalls in a row the router asks
+    # the replica set's supervisor, which restarts it at a new URL (its /health never failed)
     core = fleet.app[keys.CORE]
     saved = core.cfg
     core.cfg = dataclasses.replace(saved, stall_timeout_s=2.0, stall_restart_after=2)
-    headers = {"X-Session-Id": "hung-engine-2"}
-    body = {"prompt": [(41 * i + 13) % 500 + 5 for i in range(120)], "max_tokens": 400, "ignore_eos": True}
+    cached = [(41 * i + 13) % 500 + 5 for i in range(160)]  # a prefix only the victim holds
     try:
-        async with fleet.http.post(fleet.url + "/v1/completions", json={**body, "max_tokens": 4},
-                                   headers=headers) as r:
+        async with fleet.http.post(fleet.url + "/v1/completions", json={"prompt": cached, "max_tokens": 2},
+                                   headers={"X-Session-Id": "hung-engine-2"}) as r:
             assert r.status == 200, await r.text()
             victim = r.headers["X-Rollout-Replica"]
         old_url, since = fleet.rs.endpoint(victim).base_url, time.monotonic()
         async with EngineBrake((await fleet.rs.info(victim)).pid) as brake:
-            turn = asyncio.ensure_future(fleet.http.post(fleet.url + "/v1/completions", json=body, headers=headers))
-            await _until(lambda: core.admission.ledger.count(victim) > 0, 60, "the turn running on its replica")
-            await asyncio.sleep(0.5)  # decoding: the engine's gauges show it running
             brake.hold()
-            async with await turn as r:
+            turn = {"prompt": [(43 * i + 7) % 500 + 5 for i in range(80)], "max_tokens": 2}
+            async with fleet.http.post(fleet.url + "/v1/completions", json=turn,
+                                       headers={"X-Session-Id": "hung-engine-2"}) as r:  # pinned there: stall 1
+                assert r.status == 200 and r.headers["X-Rollout-Replica"] != victim, await r.text()
+            await _until(lambda: core.replicas[victim].healthy, 30, f"{victim} back after its first stall")
+            async with fleet.http.post(fleet.url + "/v1/completions", json={"prompt": cached + [9, 9], "max_tokens": 2},
+                                       headers={"X-Session-Id": "hung-engine-3"}) as r:  # its cache draws it: stall 2
                 assert r.status == 200 and r.headers["X-Rollout-Replica"] != victim, await r.text()
             urls = lambda: {e.replica_id: e.base_url for e in fleet.rs.endpoints}  # noqa: E731
             await _until(lambda: urls().get(victim, old_url) != old_url and victim in core.replicas
@@ -226,7 +228,7 @@ async def test_an_engine_that_stays_hung_is_restarted_by_its_supervisor(fleet):
         core.cfg = saved
     restarts = [e for t, e in fleet.events if t > since and e.kind == "restarting" and e.replica_id == victim]
     assert len(restarts) == 1 and "stalled 2 times in a row" in restarts[0].reason, restarts
-    async with fleet.http.post(fleet.url + "/v1/completions", json={**body, "max_tokens": 4}) as r:
+    async with fleet.http.post(fleet.url + "/v1/completions", json={"prompt": cached, "max_tokens": 2}) as r:
         assert r.status == 200, await r.text()
 
 
