@@ -87,7 +87,7 @@ async def forward(client: web.Request, parsed: ParsedRequest, token_ids: list[in
             ahead = None
             if isinstance(client, FastRequest) and flight is not None:
                 ahead = AnswerAhead(client, job, core, flight, expose_cached=expose, reruns=life.reruns.get(job.id, 0),
-                                    versions_moved=lambda: life.versions_moved(job))
+                                    starts=lambda aborted: life.answer_starts(job, aborted))
                 asyncio.get_running_loop().call_soon(ahead.prepare)  # runs once the request is sent
             resp = await post_json(life.upstream, url, body, on_answer=None if ahead is None else ahead.deliver)
             if ahead is not None and ahead.sent is not None:  # the client has it (checked unmixed then)

@@ -18,6 +18,7 @@ from aiohttp import web
 from cache_policy.core import DecisionCore, Job
 from router.errors import with_router_param
 from router.fastlane import FastRequest, encode_head
+from router.lifecycle import Rerun
 from router.proxy import UpstreamResult, encode_body
 from router.weights.report import version_note
 
@@ -133,17 +134,17 @@ class AnswerAhead:
     connection's ``on_answer``, ``router.upstream``) reads the answer's ``usage``, splices the
     prepared object into its bytes as :func:`json_answer` would, and writes it. It declines
     (False: the task's own path answers, :func:`json_answer`) a status other than 200, a body
-    that cannot be spliced, and a replica whose version moved since dispatch
-    (``versions_moved``: the task then runs the request again, ``Lifecycle.answer_starts``).
+    that cannot be spliced, and one ``starts`` refuses (``Lifecycle.answer_starts``: its replica's
+    version moved since dispatch; the task then runs the request again).
     After it answered, ``sent`` is the answer and ``result`` the replica's."""
 
-    __slots__ = ("client", "job", "core", "flight", "expose_cached", "reruns", "versions_moved", "sent", "result",
+    __slots__ = ("client", "job", "core", "flight", "expose_cached", "reruns", "starts", "sent", "result",
                  "_headers", "_head", "_notes")
 
     def __init__(self, client: FastRequest, job: Job, core: DecisionCore, flight: Any, *, expose_cached: bool,
-                 reruns: int, versions_moved: Callable[[], bool]) -> None:
+                 reruns: int, starts: Callable[[bool], None]) -> None:
         self.client, self.job, self.core, self.flight = client, job, core, flight
-        self.expose_cached, self.reruns, self.versions_moved = expose_cached, reruns, versions_moved
+        self.expose_cached, self.reruns, self.starts = expose_cached, reruns, starts
         self.sent: JsonAnswer | None = None
         self.result: UpstreamResult | None = None
         self._headers: dict[str, str] | None = None
@@ -164,15 +165,18 @@ class AnswerAhead:
     def deliver(self, status: int, raw: bytes) -> bool:
         """Answer the client with the replica's whole answer (``status``, ``raw``) now; False when
         this answer is left to the task (class docstring)."""
-        if status != 200 or self.client.answered or self.versions_moved() or b'"abort"' in raw:
+        if status != 200 or self.client.answered or b'"abort"' in raw:
             return False  # the task judges it (an aborted answer runs again: Lifecycle.aborted)
         result = UpstreamResult(status, raw)
         if not result.spliceable():
             return False
+        try:
+            self.starts(False)  # never mixed; from here on the client has it: an update leaves it alone
+        except Rerun:
+            return False  # the task's own check runs it again
         self.prepare()
         body = _splice(raw, self._notes[result.cached_tokens() == 0])
         self.sent, self.result = JsonAnswer(200, dict(self._headers), body, head=self._head), result
-        self.flight.answering = True  # from here on the client has this answer: an update leaves it
         try:
             self.client.answer(self.sent)
         except ConnectionResetError:
