@@ -73,10 +73,11 @@ class Flight:
     """One dispatched attempt, as a weight update sees it (``Lifecycle.flights``).
 
     ``streaming``: its answer streams to the client (once answering, it is kept across an
-    update, never preempted; before its first token it is taken back like any); ``task``: the request's own task, running the attempt (``preempt`` cancels it,
-    ``_fly`` takes the cancel back; None once the attempt returned); ``tokens``: tokens relayed
-    so far per choice index (streams); ``spans``: the
-    versions its tokens were computed under (``router.responses.span``), the last one current."""
+    update, never preempted; before its first token it is taken back like any); ``task``: the
+    request's own task, running the attempt (``preempt`` cancels it, ``_fly`` takes the cancel
+    back; None once the attempt returned); ``tokens``: tokens relayed so far per choice index
+    (streams); ``spans``: the versions its tokens were computed under
+    (``router.responses.span``), the last one current."""
 
     job: Job
     streaming: bool
@@ -247,10 +248,10 @@ class Lifecycle:
         """The first byte of ``job``'s answer is about to reach its client: the last moment it can
         run again. Raises Rerun when its replica's version moved since its dispatch (the answer
         would mix versions: a non-streamed answer, a scoring fan-out above all, is never mixed) or
-        when the engine aborted it part way or
-        before its first token (``aborted``: it would be partial, :meth:`aborted`); else marks its
-        flight answering, and a weight update or an abandon leaves it alone from now on. Streams
-        call it at their first token (``router.weights.stream``), JSON answers once read whole."""
+        when the engine aborted it part way or before its first token (``aborted``: it would be
+        partial, :meth:`aborted`); else marks its flight answering, and a weight update or an
+        abandon leaves it alone from now on. Streams call it at their first token
+        (``router.weights.stream``), JSON answers once read whole (``AnswerAhead`` included)."""
         if self.versions_moved(job):
             # from the version it was dispatched under (a long-cut log's first kept entry is later)
             now = self.core.versions_since(job)[-1]

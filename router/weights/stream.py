@@ -28,8 +28,8 @@ from aiohttp import web
 
 Begin = Callable[[bool], Awaitable[None]]
 """Called once, just before the stream's first byte goes to the client, with whether the engine
-aborted it before any token (every choice's ``finish_reason`` so far is ``"abort"``); it sends
-the head, or raises to take the request back (nothing has reached the client)."""
+aborted it before any token (a ``finish_reason: "abort"`` and no token yet); it sends the head,
+or raises to take the request back (nothing has reached the client)."""
 
 
 async def relay_events(resp: web.StreamResponse, up: aiohttp.ClientResponse, watch: Any, tail_bytes: int,
@@ -99,9 +99,7 @@ class _Writer:
         """The stream ended: begin it if no token came (nothing held back stays unsent)."""
         if self.before is not None:
             await self._start()
-        if self.held is not None:
-            held, self.held = self.held, None
-            await self.resp.write(b"data: " + json.dumps(held).encode() + b"\n\n")
+        await self._write_held()
 
     async def _start(self) -> None:
         before, self.before = self.before or [], None
@@ -116,9 +114,7 @@ class _Writer:
             self.held = None
             await self.resp.write(b"data: " + json.dumps(final).encode() + b"\n\n" + raw + b"\n\n")
             return
-        if self.held is not None:
-            held, self.held = self.held, None
-            await self.resp.write(b"data: " + json.dumps(held).encode() + b"\n\n")
+        await self._write_held()
         if event is None:
             await self.resp.write(raw + b"\n\n")
             return
@@ -128,6 +124,11 @@ class _Writer:
             self.held = event
         else:
             await self.resp.write(raw + b"\n\n")
+
+    async def _write_held(self) -> None:
+        if self.held is not None:
+            held, self.held = self.held, None
+            await self.resp.write(b"data: " + json.dumps(held).encode() + b"\n\n")
 
 
 def _decode(raw: bytes) -> dict[str, Any] | None:
