@@ -9,7 +9,7 @@ An ID outside ``[0, vocab_size)`` gets vLLM 0.32's 400 (``renderers/base.py``
 ``validate_token_ids``: a null ``param``). ``delay_s`` makes each completion take that long;
 ``hang()`` makes every request wait until ``resume()`` (a SIGSTOPped server, as clients see it);
 ``stall()`` makes completions wait while ``/health`` and ``/metrics`` still answer (a hung engine
-behind a live API server). ``/metrics`` reports the completions held as
+behind a live API server; a stream after its head). ``/metrics`` reports the completions held as
 ``vllm:num_requests_running`` and the tokens of those answered in the token counters.
 
 Streams run as vLLM's do (``vllm/entrypoints/openai``: a ``StreamingResponse`` sends its head at
@@ -153,8 +153,9 @@ class FakeVllm:
         self.in_flight += 1
         try:
             await self._running.wait()
-            await self._engine.wait()
-            await asyncio.sleep(self.delay_s)
+            if not body.get("stream"):  # a stream's head goes at once, as vLLM's; its steps wait (_step)
+                await self._engine.wait()
+                await asyncio.sleep(self.delay_s)
         finally:
             self.in_flight -= 1
         prompt = body["prompt"]
@@ -210,7 +211,8 @@ class FakeVllm:
         return resp
 
     async def _step(self) -> None:
-        """One engine step: it waits while the engine is paused, at its start and its end."""
+        """One engine step: it waits while the engine is stalled or paused (at its start and end)."""
+        await self._engine.wait()
         await self._unpaused.wait()
         await asyncio.sleep(self.token_delay_s)
         await self._unpaused.wait()

@@ -12,6 +12,8 @@ and a stream aborted before its first token ended as an empty 200.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import time
 import contextlib
 import json
 from typing import Any
@@ -114,3 +116,29 @@ async def test_a_client_that_leaves_before_the_first_token_leaves_nothing_behind
         await until(lambda: _true(life.state_sizes() == {"flights": 0, "waiters": 0, "reruns": 0}
                                   and core.in_flight("replica-0") == 0), what="the router's state empty")
     assert len(fake.bodies) == 1  # not run again: the client is gone
+
+
+async def test_a_stream_whose_engine_stalls_before_its_first_token_runs_on_another_replica():
+    # vLLM sends a stream's head at once; an engine hung behind its live API server then sends
+    # nothing more. The router has sent the client nothing, so the stall rule takes the stream
+    # back and runs it on the other replica (had the head gone on, it would wait for
+    # router.request_timeout_s and end with an error event)
+    fakes = [FakeVllm(), FakeVllm()]
+    async with serving(fakes[0]) as u0, serving(fakes[1]) as u1, \
+            router([u0, u1], scrape_interval_s=0.2) as (url, app, _rs):
+        app[keys.CORE].cfg = dataclasses.replace(app[keys.CORE].cfg, stall_timeout_s=1.0)
+        headers = {"X-Session-Id": "stalled-stream"}
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
+            body = {"prompt": PROMPT, "max_tokens": 2, "stream": True}
+            async with http.post(url + "/v1/completions", json=body, headers=headers) as r:
+                pinned = r.headers["X-Rollout-Replica"]
+                await r.read()
+            stalled = fakes[int(pinned.rsplit("-", 1)[1])]
+            stalled.stall()
+            t0 = time.monotonic()
+            async with http.post(url + "/v1/completions", json=body, headers=headers) as r:
+                replica, raw = r.headers["X-Rollout-Replica"], (await r.read()).decode()
+            took = time.monotonic() - t0
+        stalled.resume()
+    assert replica != pinned and raw.count('" w0"') == 2 and '"error"' not in raw, raw
+    assert 1.0 <= took < 15, took  # the stall timeout, not router.request_timeout_s
