@@ -117,15 +117,17 @@ class PolicyConfig:
 
     stall_timeout_s: float = 60.0
     """A replica whose engine holds requests (running or waiting by its ``/metrics``, or this
-    router's requests in flight there) but has finished no token of any
+    router's requests in flight there not yet answering) but has finished no token of any
     (``vllm:prompt_tokens_total`` and ``vllm:generation_tokens_total`` both still) for this long
     is stalled: a hung GPU or engine core behind an API server that still answers ``/health`` and
     ``/metrics`` (vLLM's health check reports only a dead engine). It is marked unhealthy (no new
     work) and its requests in flight run on another replica at once, for this long, twice as long
     for each stall in a row, at most 8 times as long, or until a token moves; then the next
     request sent there tells. A replica in a weight update is never stalled. Judged at each
-    metrics scrape (off with ``router.scrape_interval_s: 0``). Longer than any one engine step (a
-    long prefill on a slow host); 0: off."""
+    metrics scrape (off with ``router.scrape_interval_s: 0``). Set it longer than the longest
+    time an engine may finish nothing while working: vLLM counts a prompt's tokens only once its
+    whole (chunked) prefill is done, and the first steps after a start or a weight reload are
+    the slowest (a fresh attacker's 3 s on vLLM-CPU took healthy engines for stalled then); 0: off."""
 
     stall_restart_after: int = 3
     """Stalls in a row (no token finished between them) after which the router asks the

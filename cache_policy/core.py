@@ -115,7 +115,11 @@ class ReplicaRecord:
     """Consecutive failed dispatches (reset by an answer)."""
     busy: bool = False
     """At the last scrape it held work: requests running or waiting by its metrics, or requests
-    of this router in flight there."""
+    of this router in flight there that are not answering yet."""
+    answering: int = 0
+    """Engine requests of this router in flight here whose answer reaches its client already
+    (``DecisionCore.answering``): the engine has made their tokens, so only its own gauges tell
+    whether it still holds them (a stream a client reads slowly stays in flight long after)."""
     progress_at: float | None = None
     """When a scrape last began that showed the engine's ``finished_tokens`` moved, or followed one
     that showed it idle, or found the replica in a weight update: since then it held work and
@@ -170,6 +174,9 @@ class Job:
     undone after that replica restarted, or left and came back under its id, is not taken out of
     the new one's bookkeeping (the requests it was sent, its index)."""
     done: bool = False
+    answering: int = 0
+    """Once its answer reaches its client (``DecisionCore.answering``; it runs nowhere else
+    then): the engine requests it counts in its replica's ``ReplicaRecord.answering``."""
     generated_tokens: int | None = None
     """Tokens the engine generated for it, when the answer said (``usage.completion_tokens``,
     a stream's relayed count); set by the caller before ``finish``. Unset, the core assumes
@@ -267,7 +274,7 @@ class DecisionCore:
         if rec is None:
             return
         rec.num_gpu_blocks, rec.scoring_cap, rec.load = num_gpu_blocks, scoring_cap, ReplicaLoad()
-        rec.progress_at, rec.busy, rec.stalls, rec.stalled_until = None, False, 0, None
+        rec.progress_at, rec.busy, rec.stalls, rec.stalled_until, rec.answering = None, False, 0, None, 0
         rec.incarnation = next(self._incarnations)
         self._changed.add(rid)
         self.policy.on_cache_reset(rid)
@@ -317,7 +324,9 @@ class DecisionCore:
             rec.progress_at = now
         # an engine hung while idle still shows its last numbers (vLLM updates them from engine
         # steps): the requests this router has in flight there count as held work too
-        rec.busy = load.num_running + load.num_waiting > 0 or self.admission.ledger.count(rid) > 0
+        # (not those answering: their tokens are made, and a client reading a finished stream
+        # slowly keeps it in flight; were the engine hung mid-answer, its gauges would show it)
+        rec.busy = load.num_running + load.num_waiting > 0 or self.admission.ledger.count(rid) > rec.answering
         if (timeout > 0 and rec.busy and now - rec.progress_at >= timeout and rid not in self.versions.rotation
                 and (rec.stalled_until is None or now >= rec.stalled_until)):
             rec.stalls += 1
@@ -333,6 +342,18 @@ class DecisionCore:
         rec = self.replicas.get(rid)
         return (rec is not None and rec.stalled_until is not None and now < rec.stalled_until
                 and self.cfg.stall_timeout_s > 0 and rid not in self.versions.rotation)
+
+    def answering(self, job: Job) -> None:
+        """The first byte of ``job``'s answer is going to its client (``router.lifecycle``): its
+        engine has seen it and made its tokens, and it runs nowhere else now. From here on it no
+        longer counts as work the engine holds for the stall rule (:meth:`_watch_progress`):
+        a healthy engine whose finished stream a client reads slowly is not stalled. Idempotent."""
+        rid = job.replica_id
+        rec = self.replicas.get(rid) if rid is not None else None
+        if job.answering or job.ticket is None or rec is None or rec.incarnation != job.incarnation:
+            return
+        job.answering = job.ticket.requests
+        rec.answering += job.answering
 
     def restart_due(self, rid: ReplicaId, now: float) -> bool:
         """Whether ``rid`` is stalled at ``now`` for the ``policy.stall_restart_after``-th time in
@@ -646,6 +667,11 @@ class DecisionCore:
         rid = job.replica_id
         if rid is not None:
             self.policy.on_finished(job.view, rid)
+            if job.answering:
+                rec = self.replicas.get(rid)
+                if rec is not None and rec.incarnation == job.incarnation:
+                    rec.answering -= job.answering
+                job.answering = 0
             if job.ticket is not None:
                 capacity = self._raw_view(rid).num_gpu_blocks if rid in self.replicas else 0
                 generated = job.spec.new_tokens if job.generated_tokens is None else job.generated_tokens
@@ -886,6 +912,10 @@ class DecisionCore:
         for rid in self.replicas:
             if self._views.get(rid) != self._fresh_view(rid):
                 raise RuntimeError(f"bug: the view of {rid} is stale: an input changed unmarked")
+        for rid, rec in self.replicas.items():
+            if not 0 <= rec.answering <= self.admission.ledger.count(rid):
+                raise RuntimeError(f"bug: {rec.answering} answering engine requests on {rid}, "
+                                   f"{self.admission.ledger.count(rid)} in flight")
         if set(self._views) != set(self.replicas):
             raise RuntimeError(f"bug: views of {sorted(self._views)} != replicas {sorted(self.replicas)}")
         queued = {r.request_id for r in self.admission.queue.waiting()}

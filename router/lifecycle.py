@@ -258,6 +258,7 @@ class Lifecycle:
             raise Rerun(f"replica {job.replica_id} moved from version {job.weight_version} to {now} while the request ran")
         if aborted:
             raise self.aborted(job)
+        self.core.answering(job)
         flight = self.flight(job)
         if flight is not None:
             flight.answering = True

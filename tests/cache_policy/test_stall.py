@@ -174,3 +174,37 @@ def test_a_restart_is_due_at_the_configured_stall_in_a_row_and_a_token_in_betwee
     assert never.replicas["r0"].stalls >= 4 and not never.restart_due("nope", 0.0)
     with pytest.raises(ValueError, match="stall_restart_after"):
         PolicyConfig(stall_restart_after=-1)
+
+
+def test_requests_whose_answer_reaches_the_client_are_not_held_work_a_slow_reader_stalls_nothing():
+    # a stream the engine finished stays in flight while its client reads slowly; the engine is
+    # idle (its gauges say 0) and healthy: it must not be found stalled nor restarted. A request
+    # not answering yet (sent to an engine that may never have seen it) still counts.
+    c = core()
+    c.observe_load("r0", load(0, 500), 0.0)
+    jobs = []
+    for n in (1, 8):  # a plain request and an n = 8 completion (8 engine requests)
+        job = c.open(RequestSpec(list(range(40 + n)), None, None, None, None, "generate", 1, fan_out=n), 0.5)
+        c.place(job, 0.5)
+        assert c.admit(job, 0.5).verdict == "admit"
+        c.settle()
+        jobs.append(job)
+    for job in jobs:
+        c.answering(job)
+        c.answering(job)  # idempotent
+    assert c.replicas["r0"].answering == 9
+    c.check_integrity()
+    for t in range(1, 200, 5):
+        c.observe_load("r0", load(0, 500), float(t))
+        assert not c.stalled("r0", float(t)) and not c.restart_due("r0", float(t)), t
+    late = c.open(RequestSpec(list(range(90)), None, None, None, None, "generate", 1), 200.0)
+    c.place(late, 200.0)
+    assert c.admit(late, 200.0).verdict == "admit"
+    c.settle()
+    for t in (201.0, 210.0, 211.0):  # one request not answering: held work again
+        c.observe_load("r0", load(0, 500), t)
+    assert c.stalled("r0", 211.0)
+    for job in jobs:
+        c.finish(job, "ok", 212.0)
+    assert c.replicas["r0"].answering == 0
+    c.check_integrity()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import socket
 import time
 import contextlib
 import json
@@ -142,3 +143,35 @@ async def test_a_stream_whose_engine_stalls_before_its_first_token_runs_on_anoth
         stalled.resume()
     assert replica != pinned and raw.count('" w0"') == 2 and '"error"' not in raw, raw
     assert 1.0 <= took < 15, took  # the stall timeout, not router.request_timeout_s
+
+
+async def test_a_client_reading_a_finished_stream_slowly_never_makes_its_healthy_engine_stalled():
+    # the engine has made every token (the router reads ahead of the client), the client reads
+    # nothing: the request stays in flight, but it is answering, so it is not work the engine
+    # holds; the stall rule must not take the replica out (a fresh attacker's slow reader got a
+    # healthy replica restarted)
+    fake = FakeVllm()
+    fake.weights = "0" * 8000  # 8 KB tokens: 30 MB in all, more than the sockets between hold
+    async with serving(fake) as base, router([base], scrape_interval_s=0.1) as (url, app, _rs):
+        core = app[keys.CORE]
+        core.cfg = dataclasses.replace(core.cfg, stall_timeout_s=0.5)
+        host, port = url.removeprefix("http://").split(":")
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, (host, int(port)))
+        body = json.dumps({"prompt": PROMPT, "max_tokens": 4000, "stream": True}).encode()
+        head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n").encode()
+        await asyncio.get_running_loop().sock_sendall(sock, head + body)
+        first = await asyncio.get_running_loop().sock_recv(sock, 1024)
+        try:
+            await until(lambda: _true(not fake._streams), what="the engine done with the stream")
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < 2.0:  # four stall timeouts, the client reading nothing
+                assert not core.stalled("replica-0", time.monotonic()) and core.replicas["replica-0"].healthy
+                await asyncio.sleep(0.1)
+            assert app[keys.LIFECYCLE].state_sizes()["flights"] == 1, first[:600]  # still in flight: the client has not read it
+        finally:
+            sock.close()
+    assert first.startswith(b"HTTP/1.1 200")
