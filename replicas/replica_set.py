@@ -175,6 +175,14 @@ class ReplicaSet(Membership):
             return False
         return index in self._endpoints and self._supervisor.wedged(index, reason)
 
+    def launched(self, rid: ReplicaId) -> bool:
+        """Whether this set launched ``rid`` (from ``replicas.model``: a fresh start, or a
+        restart, serves those weights, whatever the replica had loaded before)."""
+        try:
+            return self.managed(replica_index(rid))
+        except KeyError:
+            return False
+
     def managed(self, index: int) -> bool:
         """Supervisor hook: True if this set launched replica ``index`` (it can restart it)."""
         return index in self._actors

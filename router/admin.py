@@ -46,7 +46,7 @@ def make_updater(cfg: AppConfig, life: Lifecycle) -> WeightUpdater:
     """The app's updater; each replica's known folder starts as ``_initial_weights_path``."""
     initial = _initial_weights_path(cfg, [s.endpoint.model_root for s in life.pool.states()])
     paths: dict[ReplicaId, str | None] = dict.fromkeys(life.pool.ids(), initial)
-    return WeightUpdater(life, paths)
+    return WeightUpdater(life, paths, initial)
 
 
 def check_token(request: web.Request) -> None:

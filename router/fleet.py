@@ -54,7 +54,7 @@ def attach_fleet(app: web.Application, replica_set) -> None:
     app[FLEET] = replica_set
     app[ADDING] = set()
     if replica_set is not None:
-        unsubscribe = replica_set.subscribe(lambda event: on_replica_event(app, event))
+        unsubscribe = replica_set.subscribe(lambda event: _own_event(app, replica_set, event))
         replica_set.claim_index = lambda floor: _claim_index(app, floor)
 
         async def stop_following(_: web.Application) -> None:
@@ -62,6 +62,16 @@ def attach_fleet(app: web.Application, replica_set) -> None:
             replica_set.claim_index = None
 
         app.on_cleanup.append(stop_following)
+
+
+def _own_event(app: web.Application, replica_set, event: ReplicaEvent) -> None:
+    """An event of this router's own replica set: :func:`on_replica_event`; then a replica it
+    launched that joined or restarted serves ``replicas.model``'s weights, so the weight
+    updater labels it so and brings it to the fleet's version (``WeightUpdater.rejoined``)."""
+    on_replica_event(app, event)
+    updater = app.get(keys.WEIGHT_UPDATER)
+    if event.kind in ("added", "restarted") and updater is not None and replica_set.launched(event.replica_id):
+        updater.rejoined(event.replica_id)
 
 
 def on_replica_event(app: web.Application, event: ReplicaEvent) -> None:
@@ -77,8 +87,9 @@ def on_replica_event(app: web.Application, event: ReplicaEvent) -> None:
         if kind == "added" or rid not in core.replicas:
             core.add_replica(rid, block_size=endpoint.block_size, num_gpu_blocks=endpoint.num_gpu_blocks,
                              scoring_cap=endpoint.scoring_cap)
-        else:
-            core.restarted(rid, num_gpu_blocks=endpoint.num_gpu_blocks, scoring_cap=endpoint.scoring_cap)
+        else:  # it starts from the model: the initial version (WeightUpdater.rejoined catches it up)
+            core.restarted(rid, num_gpu_blocks=endpoint.num_gpu_blocks, scoring_cap=endpoint.scoring_cap,
+                           version=core.versions.initial)
         core.set_health(rid, True)
         core.set_rotation(rid, None)
     elif kind in ("unhealthy", "restarting"):

@@ -26,12 +26,24 @@ from router.weights.update import LOCK_TTL_S, Update, UpdateInProgress
 
 log = logging.getLogger(__name__)
 
-class WeightUpdater:
-    """Runs weight updates for one router app (``router.admin`` handlers call it)."""
+CATCH_UP_RETRY_S = 1.0
+"""How long a catch-up waits before trying again when another router's update holds the lock."""
+CATCH_UP_TRIES = 600
+"""Attempts of one catch-up (each after an update in progress ended, or the retry wait)."""
+CATCH_UP_DRAIN_S = 60.0
+"""The catch-up's drain: the replica is fresh and out of rotation, so nothing should be there."""
 
-    def __init__(self, life: Lifecycle, paths: dict[ReplicaId, str | None]) -> None:
+
+class WeightUpdater:
+    """Runs weight updates for one router app (``router.admin`` handlers call it).
+
+    ``paths``: per replica, the folder of the weights it serves (restores a failed load), None
+    when they were pushed; ``initial_path``: the folder replicas start from, if known."""
+
+    def __init__(self, life: Lifecycle, paths: dict[ReplicaId, str | None], initial_path: str | None = None) -> None:
         self.life, self.core = life, life.core
         self.paths = paths
+        self.initial_path = initial_path
         self.steps = Steps(life, paths)
         self.active: Update | None = None
         self.last: Update | None = None
@@ -81,6 +93,71 @@ class WeightUpdater:
         upd.phase = "aborting"
         upd.task = self._spawn(self._finish(upd, lambda rid, rec: self.steps.release(rid, rec, restore), "aborted"))
         return await self._join(upd.task)
+
+    def rejoined(self, rid: ReplicaId) -> None:
+        """``rid`` was launched, or restarted, from the replicas' model: it serves the initial
+        version (``DecisionCore.restarted`` records it so; a restart after an update used to keep
+        the version it had, so its answers named weights it no longer served). While the fleet
+        serves a later version, it stays out of rotation and is brought to that version in the
+        background (:meth:`catch_up`)."""
+        self.paths[rid] = self.initial_path
+        versions = self.core.versions
+        if rid in self.core.replicas and versions.loaded.get(rid) != versions.current:
+            self.core.set_rotation(rid, f"catching up: serves version {versions.loaded.get(rid)} after its (re)start, "
+                                        f"the fleet serves {versions.current}")
+            self.life.rotation_changed()
+            self._spawn(self.catch_up(rid))
+
+    async def catch_up(self, rid: ReplicaId) -> None:
+        """Bring ``rid`` to the fleet's current version: a one-replica folder update (hold,
+        drain, pause, load, the policy in force, resume) from the folder another replica serves
+        it from, once no update runs. With no such folder (the version was pushed, two-phase
+        without ``weights_path``) it stays out of rotation, the reason saying so, until the next
+        update, which takes it along (a replica out of rotation is a target). A failed load
+        leaves it out too. Never raises."""
+        for _ in range(CATCH_UP_TRIES):
+            versions = self.core.versions
+            current = versions.current
+            if rid not in self.core.replicas or versions.loaded.get(rid) == current or not self._catching_up(rid):
+                return
+            if self.active is not None:
+                await self.active.ended.wait()
+                continue
+            path = next((self.paths.get(r) for r, v in versions.loaded.items()
+                         if v == current and r != rid and self.paths.get(r)), None)
+            if path is None:
+                return self._leave_out(rid, f"serves version {versions.loaded.get(rid)} after its (re)start; version "
+                                            f"{current} was pushed without a folder: the next update brings it along")
+            log.info("replica %s serves version %s after its (re)start: loading version %s from %s",
+                     rid, versions.loaded.get(rid), current, path)
+            req = UpdateRequest(current, path, versions.policy, "rolling", "wait", False, (rid,),
+                                drain_timeout_s=CATCH_UP_DRAIN_S)
+            try:
+                report = await self.update(req)
+            except UpdateInProgress:  # another router's update holds the lock: it may take this one along
+                await asyncio.sleep(CATCH_UP_RETRY_S)
+                continue
+            except Exception as exc:  # noqa: BLE001 - a background task says why, and leaves it out
+                return self._leave_out(rid, f"catching up to version {current} failed: {exc!r}")
+            if not report["ok"]:
+                errors = "; ".join(r["error"] or "" for r in report["replicas"])
+                return self._leave_out(rid, f"catching up to version {current} failed: {errors}")
+            # out of rotation since its start, it ran nothing: its cache holds the new version's KV only
+            self.core.cache_reset(rid)
+            return
+        self._leave_out(rid, f"catching up to version {self.core.versions.current} gave up after {CATCH_UP_TRIES} tries")
+
+    def _catching_up(self, rid: ReplicaId) -> bool:
+        """Whether ``rid`` is still out of rotation waiting for :meth:`catch_up` (not taken along
+        by an update meanwhile, nor removed)."""
+        return (self.core.versions.rotation.get(rid) or "").startswith("catching up")
+
+    def _leave_out(self, rid: ReplicaId, reason: str) -> None:
+        log.warning("replica %s out of rotation: %s", rid, reason)
+        if rid in self.core.replicas:
+            self.core.set_rotation(rid, reason)
+            self.life.rotation_changed()
+            self._spawn(self.steps.publish())
 
     def report(self, upd: Update) -> dict[str, Any]:
         return upd.report(self.core.versions.describe())

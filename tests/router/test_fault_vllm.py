@@ -31,6 +31,7 @@ from replicas.ops import fetch_metrics
 from replicas.procs import group_members
 from replicas.replica_set import ReplicaSet
 from replicas.supervisor import SupervisionConfig
+from replicas.tiny_model import TinyModelSpec, ensure_tiny_model
 from router import keys
 from router.config import AppConfig
 from router.server import running_router
@@ -200,8 +201,14 @@ async def test_an_engine_that_stays_hung_is_restarted_by_its_supervisor(fleet):
     # an engine hung for good behind its live API server: a pinned turn sent there stalls (run
     # elsewhere), the replica is out for the timeout, then back; the next request its cache
     # draws there stalls again, and at policy.stall_restart_after stalls in a row the router asks
-    # the replica set's supervisor, which restarts it at a new URL (its /health never failed)
+    # the replica set's supervisor, which restarts it at a new URL (its /health never failed).
+    # The fleet serves version 1 (the seed-1 checkpoint) by then: the restart starts from the
+    # model (seed 0), so the router loads version 1 into it before it takes work (a fresh
+    # attacker saw a restarted replica serve seed 0 while its answers named version 1)
     core = fleet.app[keys.CORE]
+    update = {"version": 1, "weights_path": str(ensure_tiny_model(spec=TinyModelSpec(seed=1))), "policy": "salt"}
+    async with fleet.http.post(fleet.url + "/admin/weights", json=update, headers=ADMIN) as r:
+        assert r.status == 200, await r.text()
     saved = core.cfg
     core.cfg = dataclasses.replace(saved, stall_timeout_s=2.0, stall_restart_after=2)
     cached = [(41 * i + 13) % 500 + 5 for i in range(160)]  # a prefix only the victim holds
@@ -223,13 +230,24 @@ async def test_an_engine_that_stays_hung_is_restarted_by_its_supervisor(fleet):
                 assert r.status == 200 and r.headers["X-Rollout-Replica"] != victim, await r.text()
             urls = lambda: {e.replica_id: e.base_url for e in fleet.rs.endpoints}  # noqa: E731
             await _until(lambda: urls().get(victim, old_url) != old_url and victim in core.replicas
-                         and core.replicas[victim].healthy, BACK_WITHIN_S, f"{victim} restarted and back")
+                         and core.replicas[victim].healthy and victim not in core.versions.rotation,
+                         BACK_WITHIN_S, f"{victim} restarted, caught up and back in rotation")
     finally:
         core.cfg = saved
     restarts = [e for t, e in fleet.events if t > since and e.kind == "restarting" and e.replica_id == victim]
     assert len(restarts) == 1 and "stalled 2 times in a row" in restarts[0].reason, restarts
+    assert core.versions.loaded == {"replica-0": 1, "replica-1": 1}, core.versions.loaded
+    # both replicas serve the same weights: the same greedy tokens, asked of each directly
+    greedy = {"model": CFG.served_model_name, "prompt": cached, "max_tokens": 12, "temperature": 0,
+              "ignore_eos": True, "return_token_ids": True}
+    async with aiohttp.ClientSession(middlewares=(fleet.rs.auth,)) as direct:
+        outs = []
+        for e in fleet.rs.endpoints:
+            async with direct.post(e.base_url + "/v1/completions", json=greedy) as r:
+                outs.append((await r.json())["choices"][0]["token_ids"])
+    assert outs[0] == outs[1], outs
     async with fleet.http.post(fleet.url + "/v1/completions", json={"prompt": cached, "max_tokens": 2}) as r:
-        assert r.status == 200, await r.text()
+        assert r.status == 200 and (await r.json())["rollout_router"]["weight_version"] == 1
 
 
 async def test_api_server_sigkilled_under_load(fleet):

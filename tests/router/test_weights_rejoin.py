@@ -1,0 +1,106 @@
+"""A replica launched or restarted from the model serves the initial version, whatever it had
+loaded: the router labels it so and brings it to the fleet's version before it takes work
+(``WeightUpdater.rejoined`` / ``catch_up``). A fresh attacker saw a replica restarted after an
+update serve the seed checkpoint while every answer named the update's version.
+
+Real routers over real HTTP in front of fake vLLM servers (``tests.router.fake_vllm``: each
+token names the weights that made it). The restart is the replica set's event as the router
+receives it (``router.fleet._own_event``) with the fake's weights set back to its model; a
+real one is in ``tests/router/test_fault_vllm.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import pytest
+
+from replicas.events import ReplicaEvent
+from router import fleet, keys
+from tests.router.fake_vllm import FakeVllm, serving
+from tests.router.test_fleet_changes import ADMIN, router, until
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+PROMPT = list(range(10, 74))
+
+
+class _Launched:
+    """The router's replica set as ``_own_event`` asks it: every replica launched by it."""
+
+    @staticmethod
+    def launched(_rid) -> bool:
+        return True
+
+
+async def post(url: str, path: str, body: dict) -> tuple[int, dict]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
+        async with http.post(url + path, json=body, headers=ADMIN) as r:
+            return r.status, await r.json()
+
+
+async def tokens_from(url: str, replica: str) -> tuple[list[str], int]:
+    """A stream pinned (by session) to ``replica``'s: its token texts and claimed version."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
+        for i in range(200):  # a session key the router pins to ``replica``
+            body = {"prompt": PROMPT, "max_tokens": 2, "stream": True}
+            async with http.post(url + "/v1/completions", json=body, headers={"X-Session-Id": f"s{i}"}) as r:
+                raw = (await r.read()).decode()
+                if r.headers["X-Rollout-Replica"] == replica:
+                    break
+    events = [json.loads(e[6:]) for e in raw.split("\n\n") if e.startswith("data: {")]
+    return [c["text"] for e in events for c in e["choices"] if c.get("text")], events[-1]["rollout_router"]["weight_version"]
+
+
+def restart(app, fake: FakeVllm, rid: str) -> None:
+    """Replica ``rid`` restarted from the model, as the router hears of it."""
+    fake.weights = "0"
+    endpoint = next(s.endpoint for s in app[keys.POOL].states() if s.endpoint.replica_id == rid)
+    fleet._own_event(app, _Launched(), ReplicaEvent("restarted", rid, endpoint))
+
+
+async def test_a_replica_restarted_after_an_update_is_labelled_initial_and_catches_up_before_work():
+    fakes = [FakeVllm(), FakeVllm()]
+    async with serving(fakes[0]) as u0, serving(fakes[1]) as u1, router([u0, u1]) as (url, app, _rs):
+        core = app[keys.CORE]
+        status, report = await post(url, "/admin/weights", {"version": 1, "weights_path": "ckpt-1", "policy": "salt"})
+        assert status == 200 and [f.weights for f in fakes] == ["ckpt-1", "ckpt-1"], report
+        fakes[0].delay_s = 0.0
+        restart(app, fakes[0], "replica-0")
+        # at once: it serves the model (version 0), so it takes no work until it caught up
+        assert core.versions.loaded["replica-0"] == 0
+        assert core.versions.rotation["replica-0"].startswith("catching up")
+        await until(lambda: _true(core.versions.loaded["replica-0"] == 1 and "replica-0" not in core.versions.rotation),
+                    what="replica-0 caught up to version 1")
+        assert fakes[0].loads[-1] == "ckpt-1" and fakes[0].pauses[-1] == "wait"
+        texts, claimed = await tokens_from(url, "replica-0")
+        assert texts == [" wckpt-1"] * 2 and claimed == 1  # what it claims is what made its tokens
+
+
+async def test_a_restart_after_a_pushed_update_stays_out_until_the_next_update_takes_it_along():
+    fakes = [FakeVllm(), FakeVllm()]
+    async with serving(fakes[0]) as u0, serving(fakes[1]) as u1, router([u0, u1]) as (url, app, _rs):
+        core = app[keys.CORE]
+        status, report = await post(url, "/admin/weights/begin", {"version": 1, "policy": "salt"})
+        assert status == 200, report
+        for f in fakes:
+            f.weights = "pushed-1"  # the trainer's own transfer
+        status, report = await post(url, "/admin/weights/commit", {"version": 1})  # no folder named
+        assert status == 200, report
+        restart(app, fakes[0], "replica-0")
+        await until(lambda: _true("pushed without a folder" in (core.versions.rotation.get("replica-0") or "")),
+                    what="replica-0 left out, saying why")
+        assert core.versions.loaded["replica-0"] == 0 and not fakes[0].loads
+        texts, claimed = await tokens_from(url, "replica-1")  # the fleet serves on
+        assert texts == [" wpushed-1"] * 2 and claimed == 1
+        status, report = await post(url, "/admin/weights", {"version": 2, "weights_path": "ckpt-2", "policy": "salt"})
+        assert status == 200 and {r["replica"] for r in report["replicas"]} == {"replica-0", "replica-1"}, report
+        assert core.versions.loaded == {"replica-0": 2, "replica-1": 2} and not core.versions.rotation
+        texts, claimed = await tokens_from(url, "replica-0")
+        assert texts == [" wckpt-2"] * 2 and claimed == 2
+
+
+async def _true(value: bool) -> bool:
+    return value
