@@ -46,14 +46,17 @@ from cache_policy.salts import WeightUpdatePolicy
 from cache_policy.types import Decision, ReplicaId, ReplicaView, RequestKind, RequestView, RouteReason
 from cache_policy.versions import SaltChoice, VersionBook
 
-Outcome = Literal["ok", "refused", "down", "unreachable", "retry", "preempted", "cancelled", "failed"]
+Outcome = Literal["ok", "refused", "down", "unreachable", "retry", "abandoned", "preempted", "cancelled", "failed"]
 """How a job ended: ``ok``; ``refused`` (the replica answered 4xx: it prefilled nothing);
 ``down`` (connection refused: the replica is marked unhealthy at once, the job may be placed
 again); ``unreachable`` (the connection failed, also on a fresh one: one more consecutive
 failure of the replica, which leaves rotation at ``failures_out_of_rotation``; the job may be
 placed again); ``retry`` (the replica answered 5xx or failed it before anything reached the client,
 e.g. a scoring row missing: the job may be placed again, the replica stays; the failure counts
-against it only once the job succeeds elsewhere, see ``Job.suspects``); ``preempted`` (a weight update
+against it only once the job succeeds elsewhere, see ``Job.suspects``); ``abandoned`` (taken back
+from a replica a rule already took out of rotation, a stalled engine or one that stopped
+answering: placed again elsewhere, no failure counted, it is counted out already; see
+``Job.abandoned``); ``preempted`` (a weight update
 took the job back before anything reached the client, or its replica's version changed while
 it ran: placed again, on the same replica too, no failure counted); ``cancelled`` (the client
 went away); ``failed`` (any other error after dispatch)."""
@@ -174,6 +177,9 @@ class Job:
     undone after that replica restarted, or left and came back under its id, is not taken out of
     the new one's bookkeeping (the requests it was sent, its index)."""
     done: bool = False
+    abandoned: int = 0
+    """Times it was taken back from a replica found stalled or hung (``abandoned``): not
+    failures of the request, so the router bounds them apart from its connection retries."""
     answering: int = 0
     """Once its answer reaches its client (``DecisionCore.answering``; it runs nowhere else
     then): the engine requests it counts in its replica's ``ReplicaRecord.answering``."""
@@ -689,9 +695,10 @@ class DecisionCore:
                 job.suspects.append(rid)
             else:
                 self._count_failure(rid, outcome)
-        if outcome in ("down", "unreachable", "retry", "preempted") and rid is not None:
+        if outcome in ("down", "unreachable", "retry", "abandoned", "preempted") and rid is not None:
             if outcome != "preempted":
                 job.tried.append(rid)
+            job.abandoned += outcome == "abandoned"
             job.decision, job.admission = None, None
             return
         job.done = True

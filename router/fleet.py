@@ -171,7 +171,9 @@ def _fleet(request: web.Request):
 
 def replica_rows(app: web.Application) -> list[dict[str, Any]]:
     """Every replica as ``GET /health`` and ``GET /admin/replicas`` show it: its URL, health
-    (``stalled``: its engine holds work and finishes no token, ``DecisionCore.stalled``),
+    (``stalled``: its engine holds work and finishes no token, ``DecisionCore.stalled``;
+    ``stalls``: stalls in a row with no token finished since, so a hung engine between two
+    stalls, back on probation, shows non-zero),
     rotation (out during a weight update, with the reason), requests in flight, KV cache usage,
     scoring cap and weight version."""
     core, pool, now = app[keys.CORE], app[keys.POOL], time.monotonic()
@@ -181,7 +183,8 @@ def replica_rows(app: web.Application) -> list[dict[str, Any]]:
         rec = core.replicas.get(rid)
         rows.append({
             "replica": rid, "url": s.endpoint.base_url, "healthy": rec is not None and rec.healthy,
-            "stalled": core.stalled(rid, now), "in_flight": core.in_flight(rid),
+            "stalled": core.stalled(rid, now), "stalls": rec.stalls if rec is not None else 0,
+            "in_flight": core.in_flight(rid),
             "kv_cache_usage": s.metrics.kv_cache_usage, "scoring_cap": s.endpoint.scoring_cap,
             "weight_version": core.versions.loaded.get(rid), "in_rotation": rid not in core.versions.rotation,
             "out_of_rotation_reason": core.versions.rotation.get(rid),

@@ -50,11 +50,20 @@ QUIET_S, QUIET_MAX_S, QUIET_POLL_S = 0.1, 2.0, 0.025
 Attempt = Callable[[Job, ReplicaEndpoint], Awaitable[T]]
 MAX_ABORT_RERUNS = 3
 """Times one request runs again after its engine aborted it (``Lifecycle.aborted``)."""
+MAX_ABANDONS = 3
+"""Times one request runs again elsewhere after its replica was found stalled or hung."""
 
 
 class RetryElsewhere(Exception):
     """The replica failed the request before anything reached the client; it stays in rotation
     (a scoring batch with an incomplete row, a 5xx): run the whole request on another replica."""
+
+
+class Abandoned(RetryElsewhere):
+    """Taken back from a replica a rule took out of rotation (its engine stalled, or it stopped
+    answering: ``Lifecycle.abandon``) before anything reached the client: run it on another
+    replica. Not a failure of the request nor of the replica (already counted out), so it does
+    not use up ``router.connect_retries``; at most :data:`MAX_ABANDONS` times per request."""
 
 
 class Rerun(Exception):
@@ -193,7 +202,7 @@ class Lifecycle:
             # a client gone as well (two cancels) ends the request
             if flight.preempted is not None and task.uncancel() == 0:
                 if flight.elsewhere:
-                    raise RetryElsewhere(flight.preempted) from None
+                    raise Abandoned(flight.preempted) from None
                 raise Rerun(flight.preempted) from None
             raise
         finally:
@@ -397,17 +406,23 @@ class Lifecycle:
         return self.core.dispatchable(job)
 
     def _retry(self, job: Job, exc: Exception) -> None:
-        """Release ``job`` from the replica that failed it; raise UpstreamError when retries ran out."""
+        """Release ``job`` from the replica that failed it (or was found stalled or hung:
+        :class:`Abandoned`, logged by :meth:`abandon`); raise UpstreamError when retries ran out
+        (``router.connect_retries``, and :data:`MAX_ABANDONS` apart)."""
         rid = job.decision.replica_id
-        unreachable = isinstance(exc, ReplicaUnreachable)
-        log.warning("replica %s %s: %s", rid, "unreachable" if unreachable else "failed the request", exc)
-        outcome = ("down" if exc.refused else "unreachable") if unreachable else "retry"
+        unreachable, abandoned = isinstance(exc, ReplicaUnreachable), isinstance(exc, Abandoned)
+        if unreachable:
+            outcome: Outcome = "down" if exc.refused else "unreachable"
+        else:
+            outcome = "abandoned" if abandoned else "retry"
+        if not abandoned:
+            log.warning("replica %s %s: %s", rid, "unreachable" if unreachable else "failed the request", exc)
         self.core.finish(job, outcome, self.clock())
         self._after_finish(rid)
-        if len(job.tried) > self.cfg.connect_retries:
+        if len(job.tried) - job.abandoned > self.cfg.connect_retries or job.abandoned > MAX_ABANDONS:
             raise UpstreamError(f"replica {rid} {'unreachable' if unreachable else 'failed'} and retries "
                                 f"exhausted: {exc}") from exc
-        self.metrics.retries.labels("unreachable" if unreachable else "failed").inc()
+        self.metrics.retries.labels("unreachable" if unreachable else "abandoned" if abandoned else "failed").inc()
 
     def _finish(self, job: Job, outcome: Outcome) -> None:
         rid = job.replica_id

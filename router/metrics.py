@@ -164,7 +164,8 @@ class RouterMetrics:
                                        "Cached prompt tokens the replica reported (usage.prompt_tokens_details)",
                                        ["replica"], registry=r)
         self.in_flight = Gauge("rollout_router_in_flight", "Requests in flight, by replica", ["replica"], registry=r)
-        self.retries = Counter("rollout_router_retries", "Requests retried on another replica, by reason",
+        self.retries = Counter("rollout_router_retries", "Requests run again, by reason: unreachable, failed (a 5xx "
+                               "or a broken answer), abandoned (its replica found stalled or hung), weight_update",
                                ["reason"], registry=r)
         self.kv_usage = Gauge("rollout_router_replica_kv_cache_usage",
                               "KV cache usage (0..1) last scraped from the replica", ["replica"], registry=r)

@@ -300,7 +300,8 @@ async def relay_stream(client: web.Request, http: aiohttp.ClientSession, url: st
     ``client`` before the stream's first token (``router.weights.stream``): until then the
     request can run again, so ``start(aborted)`` is called just before the first byte (it may
     raise to take the request back: ``aborted``, the engine ended it before any token), and a
-    replica that fails before it raises :class:`RetryElsewhere`. Raises ReplicaUnreachable when
+    replica that fails before it (its connection breaks, or it sends an error event) raises
+    :class:`RetryElsewhere`. Raises ReplicaUnreachable when
     the replica cannot be reached. ``watch`` (``router.weights.report.StreamWatch``) counts each
     event as it is read and gives the final chunk before ``[DONE]`` its ``rollout_router`` object.
     A replica that fails after the first byte ends the stream with an error event (``FAILED``).
@@ -309,7 +310,9 @@ async def relay_stream(client: web.Request, http: aiohttp.ClientSession, url: st
     resp = web.StreamResponse(status=200, headers={**headers, "Cache-Control": "no-cache"})
     resp.content_type = "text/event-stream"
 
-    async def begin(aborted: bool) -> None:
+    async def begin(aborted: bool, error: str | None) -> None:
+        if error is not None:  # nothing reached the client: as a 5xx, run it on another replica
+            raise RetryElsewhere(f"the replica ended the stream with an error before its first token: {error}")
         if start is not None:
             start(aborted)
         await resp.prepare(client)

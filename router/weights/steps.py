@@ -154,10 +154,10 @@ class Steps:
         rec.load_failed = not rec.note(error)
         return rec.weights == "new"
 
-    def skip(self, rid: ReplicaId, rec: ReplicaUpdate, failed: ReplicaId, path: str) -> None:
+    def skip(self, rid: ReplicaId, rec: ReplicaUpdate, failed: ReplicaId, path: str, pause_mode: str) -> None:
         """Not updated: loading ``path`` failed on ``failed`` first (a rolling update stops there
         rather than pause every replica to try the same weights again)."""
-        rec.phase, rec.weight_version = "skipped", self.core.versions.loaded.get(rid)
+        rec.phase, rec.weight_version, rec.pause_mode = "skipped", self.core.versions.loaded.get(rid), pause_mode
         rec.note(f"not updated: loading {path!r} failed on {failed} first (a rolling update stops at its first "
                  "failed load; fix the weights and update again)")
 

@@ -26,10 +26,11 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-Begin = Callable[[bool], Awaitable[None]]
+Begin = Callable[[bool, "str | None"], Awaitable[None]]
 """Called once, just before the stream's first byte goes to the client, with whether the engine
-aborted it before any token (a ``finish_reason: "abort"`` and no token yet); it sends the head,
-or raises to take the request back (nothing has reached the client)."""
+aborted it before any token (a ``finish_reason: "abort"`` and no token yet) and the message of
+an error event the replica sent before any token (else None); it sends the head, or raises to
+take the request back (nothing has reached the client)."""
 
 
 async def relay_events(resp: web.StreamResponse, up: aiohttp.ClientResponse, watch: Any, tail_bytes: int,
@@ -80,6 +81,7 @@ class _Writer:
         self.before: list[tuple[bytes, dict[str, Any] | None]] | None = []
         """Events read before the first token (None once the stream began)."""
         self.aborted = False
+        self.error: str | None = None
         self.held: dict[str, Any] | None = None
         self.last: dict[str, Any] = {}
 
@@ -90,6 +92,8 @@ class _Writer:
         choices = (event or {}).get("choices") or []
         reasons = [c.get("finish_reason") for c in choices if isinstance(c, dict)]
         self.aborted = self.aborted or "abort" in reasons
+        if event is None:
+            self.error = _error_of(raw)
         # begins at the first token, a finish, or an event without choices (the usage chunk; a
         # chat role chunk, even with continuous usage stats, waits for the token behind it)
         if event is None or any(self.watch.tokens.values()) or any(reasons) or not choices:
@@ -103,7 +107,7 @@ class _Writer:
 
     async def _start(self) -> None:
         before, self.before = self.before or [], None
-        await self.begin(self.aborted and not any(self.watch.tokens.values()))
+        await self.begin(self.aborted and not any(self.watch.tokens.values()), self.error)
         for raw, event in before:
             await self._relay(raw, event)
 
@@ -140,6 +144,17 @@ def _decode(raw: bytes) -> dict[str, Any] | None:
     except ValueError:
         return None
     return event if isinstance(event, dict) and "error" not in event else None
+
+
+def _error_of(raw: bytes) -> str | None:
+    """The message of an error event (``data: {"error": ...}``, as vLLM ends a stream it failed), else None."""
+    if not raw.startswith(b"data:") or b'"error"' not in raw:
+        return None
+    try:
+        error = json.loads(raw[5:]).get("error")
+    except (ValueError, AttributeError):
+        return None
+    return None if error is None else str(error.get("message", error) if isinstance(error, dict) else error)[:500]
 
 
 def _cached(event: dict[str, Any] | None) -> int | None:

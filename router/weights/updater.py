@@ -194,7 +194,7 @@ class WeightUpdater:
                 failed: ReplicaId | None = None
                 for rid in targets:
                     if failed is not None:
-                        self.steps.skip(rid, upd.replicas[rid], failed, upd.req.weights_path or "")
+                        self.steps.skip(rid, upd.replicas[rid], failed, upd.req.weights_path or "", upd.req.pause_mode)
                         continue
                     await self._one(rid, upd)
                     failed = rid if upd.replicas[rid].load_failed else None

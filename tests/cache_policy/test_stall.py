@@ -208,3 +208,22 @@ def test_requests_whose_answer_reaches_the_client_are_not_held_work_a_slow_reade
         c.finish(job, "ok", 212.0)
     assert c.replicas["r0"].answering == 0
     c.check_integrity()
+
+
+def test_a_request_taken_back_from_a_stalled_replica_is_placed_elsewhere_and_counts_no_failure():
+    c = DecisionCore(PolicyConfig(stall_timeout_s=10.0, failures_out_of_rotation=1))
+    for rid in ("r0", "r1"):
+        c.add_replica(rid, block_size=16, num_gpu_blocks=100)
+    job = c.open(RequestSpec(list(range(40)), None, None, None, None, "generate", 1), 0.0)
+    c.place(job, 0.0)
+    assert c.admit(job, 0.0).verdict == "admit"
+    first = job.replica_id
+    c.finish(job, "abandoned", 1.0)
+    assert not job.done and job.tried == [first] and job.abandoned == 1
+    assert c.replicas[first].failures == 0 and c.replicas[first].healthy  # one failure would take it out here
+    c.place(job, 1.0)
+    assert job.replica_id != first  # elsewhere
+    assert c.admit(job, 1.0).verdict == "admit"
+    c.finish(job, "ok", 2.0)
+    assert job.done and c.replicas[first].failures == 0  # not a suspect either
+    c.check_integrity()

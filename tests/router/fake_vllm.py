@@ -73,6 +73,9 @@ class FakeVllm:
         self.loads: list[str] = []
         self.break_streams = 0
         """Streams (the next ones) whose connection is closed after the head, before any token."""
+        self.error_streams = 0
+        """Streams (the next ones) ended after the head by an error event and ``[DONE]``, as vLLM
+        ends a stream its engine failed (``EngineDeadError``), before any token."""
 
     def hang(self) -> None:
         """Every request from now on waits (answers nothing) until :meth:`resume`."""
@@ -183,6 +186,13 @@ class FakeVllm:
             self.break_streams -= 1
             assert request.transport is not None
             request.transport.close()
+            return resp
+        if self.error_streams > 0:
+            self.error_streams -= 1
+            error = {"error": {"message": "EngineCore encountered an issue.", "type": "InternalServerError",
+                               "param": None, "code": 500}}
+            await resp.write(b"data: " + json.dumps(error).encode() + b"\n\ndata: [DONE]\n\n")
+            await resp.write_eof()
             return resp
 
         async def send(choice: dict | None, **extra) -> None:

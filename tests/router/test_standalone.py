@@ -225,7 +225,7 @@ async def test_a_stalled_engine_is_taken_out_and_its_request_answered_by_another
                     out = gauge(page, "rollout_router_replica_healthy", pinned)
                     stalls = gauge(page, "rollout_router_replica_stalls_total", pinned)
                 async with http.get(url + "/health") as resp:  # says why it is out
-                    shown = {r["replica"]: (r["healthy"], r["stalled"]) for r in (await resp.json())["replicas"]}
+                    shown = {r["replica"]: (r["healthy"], r["stalled"], r["stalls"]) for r in (await resp.json())["replicas"]}
                 stalled.resume()  # its held request finishes: the counters move
                 for _ in range(50):
                     await asyncio.sleep(0.1)
@@ -240,7 +240,7 @@ async def test_a_stalled_engine_is_taken_out_and_its_request_answered_by_another
     assert stalled.bodies[-1]["prompt"] == PROMPT  # it was sent to the stalled replica first
     assert replica != pinned and len(other.bodies) == answered_before + 1  # then answered by the other
     assert 1.5 <= took < 15, took  # not before the stall timeout; not router.request_timeout_s (600 s)
-    assert shown == {pinned: (False, True), replica: (True, False)}, shown
+    assert shown == {pinned: (False, True, 1), replica: (True, False, 0)}, shown
     assert out == 0 and back == 1 and stalls == 1, (out, back, stalls)
     assert "stalled" in err.decode()  # said once in the log
 

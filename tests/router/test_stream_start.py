@@ -87,9 +87,11 @@ async def test_a_stream_aborted_before_its_first_token_runs_again_instead_of_an_
     assert note(events)["reruns"] == 1 and len(fake.bodies) == 2
 
 
-async def test_a_replica_that_breaks_before_the_first_token_is_retried_elsewhere_unseen():
+@pytest.mark.parametrize("failure", ["break_streams", "error_streams"])
+async def test_a_replica_that_fails_before_the_first_token_is_retried_elsewhere_unseen(failure):
+    # its connection breaks, or it ends the stream with an error event (vLLM's engine failed)
     fake = FakeVllm()
-    fake.break_streams = 1
+    setattr(fake, failure, 1)
     async with contextlib.AsyncExitStack() as stack:
         bases = [await stack.enter_async_context(serving(fake)) for _ in range(2)]  # two replicas, one server
         url, app, _rs = await stack.enter_async_context(router(bases))
@@ -140,9 +142,11 @@ async def test_a_stream_whose_engine_stalls_before_its_first_token_runs_on_anoth
             async with http.post(url + "/v1/completions", json=body, headers=headers) as r:
                 replica, raw = r.headers["X-Rollout-Replica"], (await r.read()).decode()
             took = time.monotonic() - t0
+            failures = app[keys.CORE].replicas[pinned].failures
         stalled.resume()
     assert replica != pinned and raw.count('" w0"') == 2 and '"error"' not in raw, raw
     assert 1.0 <= took < 15, took  # the stall timeout, not router.request_timeout_s
+    assert failures == 0  # abandoned, not failed: the stall rule has it out already (no second count)
 
 
 async def test_a_client_reading_a_finished_stream_slowly_never_makes_its_healthy_engine_stalled():

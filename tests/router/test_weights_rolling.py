@@ -14,7 +14,7 @@ pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 
 async def update(url: str, path: str) -> dict:
-    body = {"version": 1, "weights_path": path, "policy": "salt", "mode": "rolling"}
+    body = {"version": 1, "weights_path": path, "policy": "salt", "mode": "rolling", "pause_mode": "keep"}
     async with aiohttp.ClientSession() as http:
         async with http.post(url + "/admin/weights", json=body, headers=ADMIN) as r:
             return await r.json()
@@ -30,7 +30,8 @@ async def test_a_rolling_update_stops_at_the_first_failed_load_and_leaves_the_re
         assert sum(len(f.pauses) for f in fakes) == 1  # the others were never paused
         phases = sorted(r["phase"] for r in report["replicas"])
         assert not report["ok"] and phases == ["released", "skipped", "skipped"], report
-        assert all(r["in_rotation"] and r["weight_version"] == 0 for r in report["replicas"]), report
+        assert all(r["in_rotation"] and r["weight_version"] == 0 and r["pause_mode"] == "keep"
+                   for r in report["replicas"]), report
         skipped = [r for r in report["replicas"] if r["phase"] == "skipped"]
         assert all("missing-ckpt" in r["error"] and "failed on replica-" in r["error"] for r in skipped), skipped
         # good weights then update every replica, the first included
