@@ -106,6 +106,7 @@ class WeightUpdater:
             self.core.set_rotation(rid, f"catching up: serves version {versions.loaded.get(rid)} after its (re)start, "
                                         f"the fleet serves {versions.current}")
             self.life.rotation_changed()
+            self._spawn(self.steps.publish())  # the other routers hold it out too
             self._spawn(self.catch_up(rid))
 
     async def catch_up(self, rid: ReplicaId) -> None:
