@@ -131,7 +131,8 @@ async def _kill_under_load(fleet: Fleet, victim: str, seed: int, kill) -> tuple[
 
 def _retries(fleet: Fleet) -> int:
     """The router's ``rollout_router_retries_total``, all reasons."""
-    return int(sum(fleet.app[keys.METRICS].retries.labels(x)._value.get() for x in ("unreachable", "failed")))
+    counter = fleet.app[keys.METRICS].retries
+    return int(sum(counter.labels(x)._value.get() for x in ("unreachable", "failed", "abandoned")))
 
 
 def _check_load(fleet: Fleet, load: MixedLoad, victim: str, killed_at: float, retries_before: int) -> list[Record]:
