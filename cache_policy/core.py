@@ -271,10 +271,12 @@ class DecisionCore:
         self.admission.queue.replicas = len(self.replicas)
         self.policy.on_replicas_changed(list(self.replicas))
 
-    def restarted(self, rid: ReplicaId, *, num_gpu_blocks: int = 0, scoring_cap: bool = False,
-                  version: int | None = None) -> None:
-        """``rid`` came back with an empty cache: forget its index entries and pins. Like every
-        replica event here, ignored for a replica the core does not hold (it left meanwhile)."""
+    def restarted(self, rid: ReplicaId, *, num_gpu_blocks: int = 0, scoring_cap: bool = False) -> None:
+        """``rid`` came back with an empty cache: forget its index entries and pins. It started
+        from the replicas' model, so it serves the initial version, whatever it had loaded (a
+        fresh attacker saw a restarted replica's answers name the update it no longer served;
+        ``router.weights.updater.WeightUpdater.catch_up`` brings it to the current one). Like
+        every replica event here, ignored for a replica the core does not hold (it left meanwhile)."""
         self._settle_holds()
         rec = self.replicas.get(rid)
         if rec is None:
@@ -287,8 +289,7 @@ class DecisionCore:
         self.free_queue.reset(rid)
         self.admission.forget_replica(rid)
         self.registry.drop_replica(rid)
-        if version is not None:
-            self.versions.set_loaded(rid, version)
+        self.versions.set_loaded(rid, self.versions.initial)
         self.versions.cache_reset(rid)
 
     def set_health(self, rid: ReplicaId, healthy: bool) -> None:

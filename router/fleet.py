@@ -87,9 +87,8 @@ def on_replica_event(app: web.Application, event: ReplicaEvent) -> None:
         if kind == "added" or rid not in core.replicas:
             core.add_replica(rid, block_size=endpoint.block_size, num_gpu_blocks=endpoint.num_gpu_blocks,
                              scoring_cap=endpoint.scoring_cap)
-        else:  # it starts from the model: the initial version (WeightUpdater.rejoined catches it up)
-            core.restarted(rid, num_gpu_blocks=endpoint.num_gpu_blocks, scoring_cap=endpoint.scoring_cap,
-                           version=core.versions.initial)
+        else:  # from the model: the initial version (WeightUpdater.rejoined catches it up)
+            core.restarted(rid, num_gpu_blocks=endpoint.num_gpu_blocks, scoring_cap=endpoint.scoring_cap)
         core.set_health(rid, True)
         core.set_rotation(rid, None)
     elif kind in ("unhealthy", "restarting"):

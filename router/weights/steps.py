@@ -92,8 +92,11 @@ class ReplicaUpdate:
 class Steps:
     """The steps of one update over the router's replicas (see the module docstring)."""
 
-    def __init__(self, life: Lifecycle, paths: dict[ReplicaId, str | None]) -> None:
+    def __init__(self, life: Lifecycle, paths: dict[ReplicaId, str | None],
+                 folders: dict[int, str] | None = None) -> None:
         self.life, self.core, self.paths = life, life.core, paths
+        self.folders = {} if folders is None else folders
+        """Per version this router committed from a folder (or started on), that folder."""
 
     def control(self, rid: ReplicaId) -> ReplicaControl:
         return ReplicaControl(self.life.http, self.life.pool.get(rid).endpoint.base_url)
@@ -181,6 +184,8 @@ class Steps:
             rec.note(await ctl.finish_transfer(f"v{version}"))
         self.core.version_loaded(rid, version)
         self.paths[rid] = new_path  # pushed weights have no folder unless the trainer names one
+        if new_path:
+            self.folders[version] = new_path
         if rec.reset_confirmed:
             self.core.cache_reset(rid)
         recomputed = bool(rec.reset_confirmed) and preempt

@@ -44,7 +44,12 @@ class WeightUpdater:
         self.life, self.core = life, life.core
         self.paths = paths
         self.initial_path = initial_path
-        self.steps = Steps(life, paths)
+        self.folders: dict[int, str] = {}
+        """Per version, the folder this router loaded it from (a catch-up loads it again). Only
+        its own commits: another router's update tells it the version, not the folder."""
+        if initial_path is not None and life.core.versions.initial is not None:
+            self.folders[life.core.versions.initial] = initial_path
+        self.steps = Steps(life, paths, self.folders)
         self.active: Update | None = None
         self.last: Update | None = None
         self._tasks: set[asyncio.Task] = set()
@@ -111,11 +116,11 @@ class WeightUpdater:
 
     async def catch_up(self, rid: ReplicaId) -> None:
         """Bring ``rid`` to the fleet's current version: a one-replica folder update (hold,
-        drain, pause, load, the policy in force, resume) from the folder another replica serves
-        it from, once no update runs. With no such folder (the version was pushed, two-phase
-        without ``weights_path``) it stays out of rotation, the reason saying so, until the next
-        update, which takes it along (a replica out of rotation is a target). A failed load
-        leaves it out too. Never raises."""
+        drain, pause, load, the policy in force, resume) from the folder this router loaded that
+        version from (:attr:`folders`), once no update runs. With no such folder (the version
+        was pushed, two-phase without ``weights_path``, or another router ran its update) it
+        stays out of rotation, the reason saying so, until the next update, which takes it along
+        (a replica out of rotation is a target). A failed load leaves it out too. Never raises."""
         for _ in range(CATCH_UP_TRIES):
             versions = self.core.versions
             current = versions.current
@@ -124,11 +129,11 @@ class WeightUpdater:
             if self.active is not None:
                 await self.active.ended.wait()
                 continue
-            path = next((self.paths.get(r) for r, v in versions.loaded.items()
-                         if v == current and r != rid and self.paths.get(r)), None)
+            path = self.folders.get(current)
             if path is None:
                 return self._leave_out(rid, f"serves version {versions.loaded.get(rid)} after its (re)start; version "
-                                            f"{current} was pushed without a folder: the next update brings it along")
+                                            f"{current} was pushed without a folder, or by another router: the next "
+                                            "update brings it along")
             log.info("replica %s serves version %s after its (re)start: loading version %s from %s",
                      rid, versions.loaded.get(rid), current, path)
             req = UpdateRequest(current, path, versions.policy, "rolling", "wait", False, (rid,),

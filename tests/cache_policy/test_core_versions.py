@@ -7,6 +7,8 @@ Driven the way ``router.lifecycle`` drives the core, on a fake clock.
 
 from __future__ import annotations
 
+import pytest
+
 from cache_policy.config import PolicyConfig
 from cache_policy.core import DecisionCore, RequestSpec
 from cache_policy.hashing import block_hashes
@@ -92,4 +94,22 @@ def test_a_preempted_job_keeps_its_place_in_no_tried_list_and_counts_no_failure(
     core.admit(job, 0.0)
     core.finish(job, "preempted", 0.0)
     assert core.replicas[rid].healthy and job.tried == [] and not job.done
+    core.check_integrity()
+
+
+@pytest.mark.parametrize("initial", [0, None])
+def test_a_restarted_replica_serves_the_initial_version_whatever_it_had_loaded(initial):
+    # a restart starts the engine from the replicas' model (a fresh attacker saw a replica
+    # restarted after an update serve seed 0 while its answers claimed version 1)
+    core = DecisionCore(PolicyConfig(), weight_update_policy="keep", initial_version=initial)
+    for rid in (A, B):
+        core.add_replica(rid, block_size=16, num_gpu_blocks=100)
+    for rid in (A, B):
+        update(core, rid, 1)
+    core.restarted(A, num_gpu_blocks=100)
+    assert core.versions.loaded[A] == initial and core.versions.loaded[B] == 1
+    job = core.open(RequestSpec(list(range(64))), 0.0)
+    core.place(job, 0.0)
+    assert core.kv_versions(job) == ([] if job.replica_id == A and initial is None else
+                                     [initial] if job.replica_id == A else [0, 1] if initial == 0 else [1])
     core.check_integrity()
