@@ -133,7 +133,8 @@ class PolicyConfig:
     """Stalls in a row (no token finished between them) after which the router asks the
     replica's supervisor to restart it (``DecisionCore.restart_due``): an engine that hung for
     good (a GPU or NCCL hang) otherwise holds its GPU, out of rotation, forever. With the
-    default timeout the third stall in a row comes about 4 minutes after the first. Only
+    default timeout the third stall in a row comes about 4 minutes after an engine hangs while
+    busy (later for one hung idle: only the requests sent to it show it). Only
     replicas the router's replica set launched are restarted (``replicas.urls`` servers are
     not managed); 0: never."""
 

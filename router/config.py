@@ -104,9 +104,10 @@ class RouterConfig:
     """Under 'flush', let the prefix-cache reset preempt requests kept across the update (they
     re-prefill under the new weights); False: such a reset is refused and the replica fails."""
     weight_update_drain_s: float = 600.0
-    """How long an update waits for a replica's in-flight work to finish before it deals with
-    what is left by ``pause_mode`` (wait: the replica is not updated; keep/abort: see the
-    README's Version contract); an update may name its own ``drain_timeout_s``."""
+    """How long an update under ``pause_mode: wait`` waits for a replica's in-flight work to
+    finish (after it the replica is not updated). ``keep`` and ``abort`` drain 0 s by default
+    (what is left is kept or ended: the README's Version contract). An update may name its own
+    ``drain_timeout_s`` under any mode."""
     weight_update_commit_timeout_s: float = 600.0
     """A two-phase update (``POST /admin/weights/begin``) not committed or aborted within this
     many seconds is aborted by the router: no replica waits forever for a trainer that left."""

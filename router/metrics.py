@@ -172,7 +172,7 @@ class RouterMetrics:
         self.healthy = Gauge("rollout_router_replica_healthy", "1 if the replica is in rotation", ["replica"],
                              registry=r)
         self.stalls = Counter("rollout_router_replica_stalls", "Times a replica's engine was found stalled (held "
-                              "requests, finished no token for policy.stall_timeout_s) and taken out of rotation",
+                              "requests, finished no token for policy.stall_timeout_s) and marked unhealthy",
                               ["replica"], registry=r)
         self.latency = Histogram("rollout_router_request_seconds", "End-to-end request latency, by endpoint",
                                  ["endpoint"], registry=r,

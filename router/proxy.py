@@ -259,6 +259,15 @@ def stream_cached_tokens(tail: bytes) -> int | None:
     return None
 
 
+class _Refused(Exception):
+    """A stream the replica refused with a 4xx error event before its first token (vLLM checks
+    some fields, ``logprobs`` above its limit among them, inside its generator)."""
+
+    def __init__(self, status: int, raw: bytes) -> None:
+        super().__init__(status)
+        self.status, self.raw = status, raw
+
+
 STREAM_ERROR_CODE = 503
 """The code of the error event that ends a stream its replica broke: retriable, as a 503 is."""
 
@@ -300,8 +309,9 @@ async def relay_stream(client: web.Request, http: aiohttp.ClientSession, url: st
     ``client`` before the stream's first token (``router.weights.stream``): until then the
     request can run again, so ``start(aborted)`` is called just before the first byte (it may
     raise to take the request back: ``aborted``, the engine ended it before any token), and a
-    replica that fails before it (its connection breaks, or it sends an error event) raises
-    :class:`RetryElsewhere`. Raises ReplicaUnreachable when
+    replica that fails before it (its connection breaks, or it sends a 5xx error event) raises
+    :class:`RetryElsewhere`; a 4xx error event before it comes back as an :class:`UpstreamResult`
+    of that status, as an error status would. Raises ReplicaUnreachable when
     the replica cannot be reached. ``watch`` (``router.weights.report.StreamWatch``) counts each
     event as it is read and gives the final chunk before ``[DONE]`` its ``rollout_router`` object.
     A replica that fails after the first byte ends the stream with an error event (``FAILED``).
@@ -310,9 +320,15 @@ async def relay_stream(client: web.Request, http: aiohttp.ClientSession, url: st
     resp = web.StreamResponse(status=200, headers={**headers, "Cache-Control": "no-cache"})
     resp.content_type = "text/event-stream"
 
-    async def begin(aborted: bool, error: str | None) -> None:
-        if error is not None:  # nothing reached the client: as a 5xx, run it on another replica
-            raise RetryElsewhere(f"the replica ended the stream with an error before its first token: {error}")
+    async def begin(aborted: bool, error: dict[str, Any] | None) -> None:
+        if error is not None:  # nothing reached the client: answered as the same error unstreamed
+            detail = error["error"]
+            code = detail.get("code") if isinstance(detail, dict) else None
+            if isinstance(code, int) and 400 <= code < 500:  # it refused the request: a 4xx, not retried
+                raise _Refused(code, json.dumps(error).encode())
+            message = detail.get("message", detail) if isinstance(detail, dict) else detail
+            raise RetryElsewhere(f"the replica ended the stream with an error before its first token: "
+                                 f"{str(message)[:500]}")
         if start is not None:
             start(aborted)
         await resp.prepare(client)
@@ -324,6 +340,9 @@ async def relay_stream(client: web.Request, http: aiohttp.ClientSession, url: st
             tail = await relay_events(resp, up, watch, _TAIL_BYTES, begin)
             await resp.write_eof()
             resp[CACHED_TOKENS] = stream_cached_tokens(tail)
+        except _Refused as refused:  # as an error status before the stream: the caller answers it
+            up.close()
+            return UpstreamResult(refused.status, refused.raw)
         except ConnectionResetError:  # the client went away mid-stream: an expected outcome
             log.info("client disconnected from %s mid-stream; aborting upstream", url)
             up.close()  # dropping the upstream connection makes vLLM abort and free the KV cache

@@ -26,11 +26,11 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-Begin = Callable[[bool, "str | None"], Awaitable[None]]
+Begin = Callable[[bool, "dict[str, Any] | None"], Awaitable[None]]
 """Called once, just before the stream's first byte goes to the client, with whether the engine
-aborted it before any token (a ``finish_reason: "abort"`` and no token yet) and the message of
-an error event the replica sent before any token (else None); it sends the head, or raises to
-take the request back (nothing has reached the client)."""
+aborted it before any token (a ``finish_reason: "abort"`` and no token yet) and the error event
+the replica sent before any token (its JSON object ``{"error": {...}}``, else None); it sends
+the head, or raises to take the request back (nothing has reached the client)."""
 
 
 async def relay_events(resp: web.StreamResponse, up: aiohttp.ClientResponse, watch: Any, tail_bytes: int,
@@ -81,7 +81,7 @@ class _Writer:
         self.before: list[tuple[bytes, dict[str, Any] | None]] | None = []
         """Events read before the first token (None once the stream began)."""
         self.aborted = False
-        self.error: str | None = None
+        self.error: dict[str, Any] | None = None
         self.held: dict[str, Any] | None = None
         self.last: dict[str, Any] = {}
 
@@ -146,15 +146,16 @@ def _decode(raw: bytes) -> dict[str, Any] | None:
     return event if isinstance(event, dict) and "error" not in event else None
 
 
-def _error_of(raw: bytes) -> str | None:
-    """The message of an error event (``data: {"error": ...}``, as vLLM ends a stream it failed), else None."""
+def _error_of(raw: bytes) -> dict[str, Any] | None:
+    """An error event's object (``data: {"error": {...}}``: vLLM ends a stream so when it refuses
+    the request inside its generator, ``code`` 400, or when its engine failed), else None."""
     if not raw.startswith(b"data:") or b'"error"' not in raw:
         return None
     try:
-        error = json.loads(raw[5:]).get("error")
-    except (ValueError, AttributeError):
+        event = json.loads(raw[5:])
+    except ValueError:
         return None
-    return None if error is None else str(error.get("message", error) if isinstance(error, dict) else error)[:500]
+    return event if isinstance(event, dict) and event.get("error") is not None else None
 
 
 def _cached(event: dict[str, Any] | None) -> int | None:

@@ -187,10 +187,15 @@ class FakeVllm:
             assert request.transport is not None
             request.transport.close()
             return resp
-        if self.error_streams > 0:
-            self.error_streams -= 1
-            error = {"error": {"message": "EngineCore encountered an issue.", "type": "InternalServerError",
-                               "param": None, "code": 500}}
+        if self.error_streams > 0 or body.get("logprobs", 0) > 20:
+            if body.get("logprobs", 0) > 20:  # vLLM checks it inside its generator: a 400 error event
+                error = {"error": {"message": f"Requested sample logprobs of {body['logprobs']}, which is greater "
+                                              "than max allowed: 20", "type": "BadRequestError",
+                                   "param": "logprobs", "code": 400}}
+            else:
+                self.error_streams -= 1
+                error = {"error": {"message": "EngineCore encountered an issue.", "type": "InternalServerError",
+                                   "param": None, "code": 500}}
             await resp.write(b"data: " + json.dumps(error).encode() + b"\n\ndata: [DONE]\n\n")
             await resp.write_eof()
             return resp

@@ -179,3 +179,19 @@ async def test_a_client_reading_a_finished_stream_slowly_never_makes_its_healthy
         finally:
             sock.close()
     assert first.startswith(b"HTTP/1.1 200")
+
+
+async def test_a_stream_the_replica_refuses_in_an_error_event_is_a_400_naming_the_field_not_retried():
+    # vLLM checks logprobs <= 20 inside its generator: a streamed request gets a 200 head, then
+    # a 400 error event. Nothing reached the client: it gets the 400 naming the field, as the
+    # same request unstreamed does, and no other replica is tried (a fresh user got a 502)
+    fake = FakeVllm()
+    async with contextlib.AsyncExitStack() as stack:
+        bases = [await stack.enter_async_context(serving(fake)) for _ in range(2)]
+        url, app, _rs = await stack.enter_async_context(router(bases))
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
+            body = {"prompt": PROMPT, "max_tokens": 2, "stream": True, "logprobs": 50}
+            async with http.post(url + "/v1/completions", json=body) as r:
+                status, error = r.status, (await r.json())["error"]
+    assert len(fake.bodies) == 1  # not tried on the other replica
+    assert status == 400 and error["param"] == "logprobs" and "greater than max allowed" in error["message"], error
