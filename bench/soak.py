@@ -226,7 +226,11 @@ class Soak:
                 self._update()
             if cfg.restart_every and n % cfg.restart_every == 0:
                 rid = self.rng.choice(sorted(self.core.replicas))
-                self.core.restarted(rid, num_gpu_blocks=cfg.num_gpu_blocks, version=self.version)
+                # from the model (the initial version), then caught up to the current one, as the
+                # router's WeightUpdater.catch_up does: a load, then nothing but its KV in the cache
+                self.core.restarted(rid, num_gpu_blocks=cfg.num_gpu_blocks)
+                self.core.version_loaded(rid, self.version)
+                self.core.cache_reset(rid)
             if cfg.churn_every and n % cfg.churn_every == 0:
                 self.core.remove_replica(self.rng.choice(sorted(self.core.replicas)), self.now)
                 self._join()

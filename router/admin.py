@@ -29,7 +29,6 @@ from pathlib import Path
 
 from aiohttp import web
 
-from cache_policy.types import ReplicaId
 from router import keys
 from router.config import AppConfig
 from router.edge import body_of
@@ -43,10 +42,8 @@ __all__ = ["UpdateInProgress", "UpdateRequest", "WeightUpdater", "make_updater",
 
 
 def make_updater(cfg: AppConfig, life: Lifecycle) -> WeightUpdater:
-    """The app's updater; each replica's known folder starts as ``_initial_weights_path``."""
-    initial = _initial_weights_path(cfg, [s.endpoint.model_root for s in life.pool.states()])
-    paths: dict[ReplicaId, str | None] = dict.fromkeys(life.pool.ids(), initial)
-    return WeightUpdater(life, paths, initial)
+    """The app's updater; the initial version's folder is ``_initial_weights_path``."""
+    return WeightUpdater(life, _initial_weights_path(cfg, [s.endpoint.model_root for s in life.pool.states()]))
 
 
 def check_token(request: web.Request) -> None:

@@ -157,12 +157,17 @@ async def _scrape_loop(app: web.Application, interval_s: float, rounds: ScrapeRo
     seen: set[str] = set()
     while True:
         started = time.monotonic()
-        healthy = [rid for rid, rec in core.replicas.items() if rec.healthy]
         results = await rounds.run(http, pool, core, metrics, started, wait_s=interval_s)
-        for rid in healthy:
-            if rid in core.replicas and not core.replicas[rid].healthy and rid in pool and pool.get(rid).silent:
-                why = "its engine stalled" if core.stalled(rid, started) else "it stopped answering its metrics scrapes"
-                app[keys.LIFECYCLE].abandon(rid, f"replica {rid}: {why}")
+        # each scrape that took a replica out as silent, whichever round it finished in (one that
+        # finished between rounds was missed by a healthy-before / unhealthy-after comparison)
+        for state in list(pool.states()):
+            rid = state.endpoint.replica_id
+            if state.went_silent:
+                state.went_silent = False
+                if rid in core.replicas and not core.replicas[rid].healthy:
+                    why = "its engine stalled" if core.stalled(rid, time.monotonic()) else \
+                        "it stopped answering its metrics scrapes"
+                    app[keys.LIFECYCLE].abandon(rid, f"replica {rid}: {why}")
         _restart_hung(app, core, started)
         for exc in results:
             if isinstance(exc, Exception) and repr(type(exc)) not in seen:

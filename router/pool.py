@@ -28,6 +28,9 @@ class ReplicaState:
     """Its last scrape got no answer in time, or showed its engine stalled
     (``DecisionCore.stalled``): hung, not one that answered an error. Its requests in flight are
     taken back when it leaves rotation so (``router.app._scrape_loop``)."""
+    went_silent: bool = False
+    """A scrape took it out of rotation as silent (it was healthy before): the scrape loop takes
+    its requests in flight back, once, whichever round that scrape finished in."""
 
 
 class ReplicaPool:

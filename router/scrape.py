@@ -45,6 +45,7 @@ async def scrape_once(http: aiohttp.ClientSession, state: ReplicaState, core: De
         if healthy and (refused or state.scrape_failures >= FAILURES_OUT_OF_ROTATION):
             log.warning("replica %s failed %d metrics scrape(s), out of rotation: %r", rid, state.scrape_failures, exc)
             core.set_health(rid, False)
+            state.went_silent = state.went_silent or state.silent
     else:
         state.metrics = m
         state.scrape_failures = 0
@@ -52,6 +53,7 @@ async def scrape_once(http: aiohttp.ClientSession, state: ReplicaState, core: De
                                            m.num_preemptions, m.prompt_tokens + m.generation_tokens), started_at)
         state.silent = core.stalled(rid, started_at)
         if state.silent and healthy:
+            state.went_silent = True
             metrics.stalls.labels(rid).inc()
             log.warning("replica %s: its engine holds work (%d request(s) by its metrics, %d of this router's in "
                         "flight) but finished no token for %g s or more (stalled): unhealthy, its requests run "

@@ -92,11 +92,17 @@ class ReplicaUpdate:
 class Steps:
     """The steps of one update over the router's replicas (see the module docstring)."""
 
-    def __init__(self, life: Lifecycle, paths: dict[ReplicaId, str | None],
-                 folders: dict[int, str] | None = None) -> None:
-        self.life, self.core, self.paths = life, life.core, paths
-        self.folders = {} if folders is None else folders
-        """Per version this router committed from a folder (or started on), that folder."""
+    def __init__(self, life: Lifecycle, folders: dict[int, str]) -> None:
+        self.life, self.core = life, life.core
+        self.folders = folders
+        """Per version this router loaded from a folder (or started on), that folder."""
+
+    def folder_of(self, rid: ReplicaId) -> str | None:
+        """The folder of the weights ``rid`` serves now (what a failed load restores), if this
+        router knows one: the version it serves was loaded here from a folder, or is the initial
+        one. None when they were pushed without a folder, or another router ran the update (it
+        shares the version, not the folder: restoring an older folder would mislabel it)."""
+        return self.folders.get(self.core.versions.loaded.get(rid))  # type: ignore[arg-type]
 
     def control(self, rid: ReplicaId) -> ReplicaControl:
         return ReplicaControl(self.life.http, self.life.pool.get(rid).endpoint.base_url)
@@ -153,7 +159,7 @@ class Steps:
     async def load(self, rid: ReplicaId, rec: ReplicaUpdate, path: str) -> bool:
         """Folder form: reload ``path``; True when the new weights are in."""
         rec.phase = "loading"
-        rec.weights, error = await self.control(rid).load(path, self.paths.get(rid))
+        rec.weights, error = await self.control(rid).load(path, self.folder_of(rid))
         rec.load_failed = not rec.note(error)
         return rec.weights == "new"
 
@@ -177,14 +183,13 @@ class Steps:
             rec.reset_confirmed = outcome.confirmed
             if not outcome.confirmed:
                 rec.note(f"prefix cache not reset ({outcome.detail}): the new weights would run over old KV")
-                rec.weights, error = await ctl.restore(self.paths.get(rid), "commit refused")
+                rec.weights, error = await ctl.restore(self.folder_of(rid), "commit refused")
                 rec.note(error if rec.weights != "previous" else None)
                 return await self._resume(rid, rec, ctl)
         if transfer:
             rec.note(await ctl.finish_transfer(f"v{version}"))
         self.core.version_loaded(rid, version)
-        self.paths[rid] = new_path  # pushed weights have no folder unless the trainer names one
-        if new_path:
+        if new_path:  # pushed weights have no folder unless the trainer names one
             self.folders[version] = new_path
         if rec.reset_confirmed:
             self.core.cache_reset(rid)
@@ -201,7 +206,7 @@ class Steps:
         """Abort: back on the previous weights (reloaded from their folder when ``restore``)."""
         ctl = self.control(rid)
         if restore and rec.paused_at is not None:
-            rec.weights, error = await ctl.restore(self.paths.get(rid), "update aborted")
+            rec.weights, error = await ctl.restore(self.folder_of(rid), "update aborted")
             rec.note(None if rec.weights == "previous" else error)
         await self._resume(rid, rec, ctl, released=True)
 

@@ -37,19 +37,16 @@ CATCH_UP_DRAIN_S = 60.0
 class WeightUpdater:
     """Runs weight updates for one router app (``router.admin`` handlers call it).
 
-    ``paths``: per replica, the folder of the weights it serves (restores a failed load), None
-    when they were pushed; ``initial_path``: the folder replicas start from, if known."""
+    ``initial_path``: the folder replicas start from, if known."""
 
-    def __init__(self, life: Lifecycle, paths: dict[ReplicaId, str | None], initial_path: str | None = None) -> None:
+    def __init__(self, life: Lifecycle, initial_path: str | None = None) -> None:
         self.life, self.core = life, life.core
-        self.paths = paths
-        self.initial_path = initial_path
         self.folders: dict[int, str] = {}
         """Per version, the folder this router loaded it from (a catch-up loads it again). Only
         its own commits: another router's update tells it the version, not the folder."""
         if initial_path is not None and life.core.versions.initial is not None:
             self.folders[life.core.versions.initial] = initial_path
-        self.steps = Steps(life, paths, self.folders)
+        self.steps = Steps(life, self.folders)
         self.active: Update | None = None
         self.last: Update | None = None
         self._tasks: set[asyncio.Task] = set()
@@ -105,7 +102,6 @@ class WeightUpdater:
         the version it had, so its answers named weights it no longer served). While the fleet
         serves a later version, it stays out of rotation and is brought to that version in the
         background (:meth:`catch_up`)."""
-        self.paths[rid] = self.initial_path
         versions = self.core.versions
         if rid in self.core.replicas and versions.loaded.get(rid) != versions.current:
             self.core.set_rotation(rid, f"catching up: serves version {versions.loaded.get(rid)} after its (re)start, "
