@@ -115,7 +115,8 @@ async def _http_session(app: web.Application) -> AsyncIterator[None]:
 def _restart_hung(app: web.Application, core, now: float) -> None:
     """Ask the replica set's supervisor to restart each replica whose engine stalled
     ``policy.stall_restart_after`` times in a row (``DecisionCore.restart_due``); said once per
-    restart begun. Replicas the set did not launch (``replicas.urls``) are left out of rotation."""
+    restart begun. Replicas the set did not launch (``replicas.urls``) stay on probation, as
+    ``DecisionCore.stalled`` has them."""
     replica_set = app.get(fleet.FLEET)
     for rid in list(core.replicas):
         if core.restart_due(rid, now) and replica_set is not None and replica_set.engine_stalled(

@@ -92,10 +92,13 @@ class ReplicaUpdate:
 class Steps:
     """The steps of one update over the router's replicas (see the module docstring)."""
 
-    def __init__(self, life: Lifecycle, folders: dict[int, str]) -> None:
+    def __init__(self, life: Lifecycle, initial_path: str | None = None) -> None:
         self.life, self.core = life, life.core
-        self.folders = folders
-        """Per version this router loaded from a folder (or started on), that folder."""
+        self.folders: dict[int, str] = {}
+        """Per version, the folder this router loaded it from, or started on (``initial_path``).
+        Only its own: another router's update tells it the version, not the folder."""
+        if initial_path is not None and self.core.versions.initial is not None:
+            self.folders[self.core.versions.initial] = initial_path
 
     def folder_of(self, rid: ReplicaId) -> str | None:
         """The folder of the weights ``rid`` serves now (what a failed load restores), if this

@@ -41,12 +41,8 @@ class WeightUpdater:
 
     def __init__(self, life: Lifecycle, initial_path: str | None = None) -> None:
         self.life, self.core = life, life.core
-        self.folders: dict[int, str] = {}
-        """Per version, the folder this router loaded it from (a catch-up loads it again). Only
-        its own commits: another router's update tells it the version, not the folder."""
-        if initial_path is not None and life.core.versions.initial is not None:
-            self.folders[life.core.versions.initial] = initial_path
-        self.steps = Steps(life, self.folders)
+        self.steps = Steps(life, initial_path)
+        self.folders = self.steps.folders
         self.active: Update | None = None
         self.last: Update | None = None
         self._tasks: set[asyncio.Task] = set()
@@ -104,23 +100,26 @@ class WeightUpdater:
         background (:meth:`catch_up`)."""
         versions = self.core.versions
         if rid in self.core.replicas and versions.loaded.get(rid) != versions.current:
-            self.core.set_rotation(rid, f"catching up: serves version {versions.loaded.get(rid)} after its (re)start, "
-                                        f"the fleet serves {versions.current}")
+            reason = (f"catching up: serves version {versions.loaded.get(rid)} after its (re)start, "
+                      f"the fleet serves {versions.current}")
+            self.core.set_rotation(rid, reason)
             self.life.rotation_changed()
             self._spawn(self.steps.publish())  # the other routers hold it out too
-            self._spawn(self.catch_up(rid))
+            self._spawn(self.catch_up(rid, reason))
 
-    async def catch_up(self, rid: ReplicaId) -> None:
+    async def catch_up(self, rid: ReplicaId, reason: str) -> None:
         """Bring ``rid`` to the fleet's current version: a one-replica folder update (hold,
         drain, pause, load, the policy in force, resume) from the folder this router loaded that
         version from (:attr:`folders`), once no update runs. With no such folder (the version
         was pushed, two-phase without ``weights_path``, or another router ran its update) it
         stays out of rotation, the reason saying so, until the next update, which takes it along
-        (a replica out of rotation is a target). A failed load leaves it out too. Never raises."""
+        (a replica out of rotation is a target). A failed load leaves it out too. It gives up
+        once ``rid`` is no longer out for ``reason`` (an update took it along, or it left).
+        Never raises."""
         for _ in range(CATCH_UP_TRIES):
             versions = self.core.versions
             current = versions.current
-            if rid not in self.core.replicas or versions.loaded.get(rid) == current or not self._catching_up(rid):
+            if versions.rotation.get(rid) != reason or versions.loaded.get(rid) == current:
                 return
             if self.active is not None:
                 await self.active.ended.wait()
@@ -148,11 +147,6 @@ class WeightUpdater:
             self.core.cache_reset(rid)
             return
         self._leave_out(rid, f"catching up to version {self.core.versions.current} gave up after {CATCH_UP_TRIES} tries")
-
-    def _catching_up(self, rid: ReplicaId) -> bool:
-        """Whether ``rid`` is still out of rotation waiting for :meth:`catch_up` (not taken along
-        by an update meanwhile, nor removed)."""
-        return (self.core.versions.rotation.get(rid) or "").startswith("catching up")
 
     def _leave_out(self, rid: ReplicaId, reason: str) -> None:
         log.warning("replica %s out of rotation: %s", rid, reason)
