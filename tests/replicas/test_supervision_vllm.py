@@ -64,11 +64,17 @@ async def _complete(http: aiohttp.ClientSession, url: str, max_tokens: int = 4) 
         return resp.status, await resp.json(content_type=None)
 
 
-async def _running(http: aiohttp.ClientSession, url: str, timeout_s: float = 30) -> None:
-    """Wait until the replica reports a running request."""
+async def _running(http: aiohttp.ClientSession, url: str, request: asyncio.Task, timeout_s: float = 90) -> None:
+    """Wait until the replica reports a running request; fail at once, with its answer, if it ended first.
+
+    The first request on a freshly added engine may wait for its first compile on a loaded 2-core
+    machine (one CI run saw no running request within 30 s), hence the wide bound.
+    """
     deadline = time.monotonic() + timeout_s
     while (await fetch_metrics(http, url)).num_running == 0:
+        assert not request.done(), f"the request ended before it was seen running: {request.result()}"
         assert time.monotonic() < deadline, "the request never started running"
+        await asyncio.sleep(0.05)
         await asyncio.sleep(0.05)
 
 
@@ -150,7 +156,7 @@ async def test_an_added_replica_serves_and_a_drain_lets_its_request_finish(watch
     pgid = (await rs.info(added.replica_id)).pid
     async with aiohttp.ClientSession(middlewares=(rs.auth,)) as router:
         request = asyncio.create_task(_complete(router, added.base_url, max_tokens=LONG_TOKENS))
-        await _running(router, added.base_url)
+        await _running(router, added.base_url, request)
         assert not request.done()
         drained = await rs.remove(added.replica_id, drain_timeout_s=120)
         assert request.done()  # the drain waited for it
