@@ -21,7 +21,7 @@ a request costs the same on day seven as on day one. ``log`` is cut to its newes
 
 The version contract (DESIGN rule 6, README "Version contract"): a request whose salt names
 version s is *strict* (``SaltChoice.pins_version``) unless it is a keep+salt session or group
-continuing from an older start. A strict request runs only on a replica serving s; when no
+continuing from an older start (``SaltChoice.continuing``, also when tagged with that start). A strict request runs only on a replica serving s; when no
 eligible replica does, the core re-salts it for a version one serves (:meth:`VersionBook.choice_for`),
 so its tokens are computed by the weights whose KV it reuses. Versions only grow on a replica,
 so the namespace of s on a replica serving s holds KV computed by s alone. Scoring is strict under
@@ -60,16 +60,20 @@ class SaltChoice(msgspec.Struct, frozen=True):
     ``version``: the loaded version the request resolves to (it is routed to replicas serving
     it when one does); ``salt_version``: the version named by ``salt`` (older than ``version``
     for a keep+salt session that started before an update); both None without versions.
+    ``continuing``: a keep+salt session's or group's later turn on its start salt after an
+    update, so never strict (the allowed hybrid), even when tagged with the start version itself.
     """
 
     salt: str | None
     version: int | None
     salt_version: int | None
+    continuing: bool = False
 
     @property
     def pins_version(self) -> bool:
-        """Whether routing must prefer replicas that serve ``version`` (salted, own version)."""
-        return self.salt_version is not None and self.salt_version == self.version
+        """Whether routing must prefer replicas that serve ``version`` (salted for its own
+        version, not a continuing keep+salt turn): the request is *strict*."""
+        return self.salt_version is not None and self.salt_version == self.version and not self.continuing
 
 
 NO_SALT = SaltChoice(None, None, None)
@@ -122,11 +126,13 @@ class VersionBook:
         ``flush`` (scoring is never hybrid), whatever its session started under."""
         version = self.resolve(requested)
         started = None
+        new_key = False
         for kind, key in (("session", session_id), ("group", group_id)):
             if key is not None:
                 rec = registry.touch(kind, key)
                 if rec.start_version is None:
                     rec.start_version = version
+                    new_key = new_key or started is None
                 started = rec.start_version if started is None else started
         if scoring:
             salt = None if self.policy == "flush" else cache_salt_for_version(version)
@@ -135,7 +141,12 @@ class VersionBook:
         salt_version = None
         if salt is not None:
             salt_version = started if salt == cache_salt_for_version(started) else version
-        return SaltChoice(tenant_salt(salt, tenant), version, salt_version)
+        # a later turn on the start salt after an update, tagged with the start version itself
+        # (RL clients tag every request with the version they sampled from): still the hybrid
+        # keep+salt allows, not strict (strict would re-salt it and lose its cached prefix)
+        continuing = (self.policy == "keep+salt" and not new_key and salt_version is not None
+                      and salt_version == started and self.current is not None and started < self.current)
+        return SaltChoice(tenant_salt(salt, tenant), version, salt_version, continuing)
 
     def choice_for(self, version: int, tenant: str | None) -> SaltChoice:
         """A strict choice for ``version`` (its salt, tenant folded in): a strict request

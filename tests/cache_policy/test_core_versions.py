@@ -113,3 +113,30 @@ def test_a_restarted_replica_serves_the_initial_version_whatever_it_had_loaded(i
     assert core.kv_versions(job) == ([] if job.replica_id == A and initial is None else
                                      [initial] if job.replica_id == A else [0, 1] if initial == 0 else [1])
     core.check_integrity()
+
+
+def test_a_keep_plus_salt_turn_tagged_with_its_session_start_version_continues_on_the_session_salt():
+    # a fresh new user's MED: RL clients tag every request with the version they sampled from; a
+    # turn tagged with the session's own start version, after an update, was made strict: it was
+    # re-salted for the new version (its cached prefix lost) and the session re-based
+    core = fleet("keep+salt")
+    first = core.open(RequestSpec(PROMPT, session_id="s", weight_version=0), 0.0)
+    assert first.choice.pins_version  # a new session's first turn is strict for its tag
+    core.place(first, 0.0)
+    core.finish(first, "ok", 0.0)
+    update(core, A, 1)
+    update(core, B, 1)
+    turn = core.open(RequestSpec(PROMPT + [7] * 40, session_id="s", weight_version=0), 1.0)
+    assert turn.salt == "rr:v0" and not turn.choice.pins_version
+    assert core.place(turn, 1.0).replica_id == first.replica_id  # session affinity holds
+    assert turn.view.block_hashes == tuple(block_hashes(PROMPT + [7] * 40, 32, "rr:v0"))
+    assert core.kv_versions(turn) == [0, 1]  # the allowed hybrid: v1's weights over v0's KV
+    assert core.registry.get("session", "s").start_version == 0  # not re-based
+    core.finish(turn, "ok", 1.0)
+    later = core.open(RequestSpec(PROMPT + [7] * 80, session_id="s"), 2.0)
+    assert later.salt == "rr:v0"
+    # a new session tagged with the old version is still strict, and re-salted for v1
+    other = core.open(RequestSpec(PROMPT, session_id="t", weight_version=0), 2.0)
+    core.place(other, 2.0)
+    assert (other.salt, other.weight_version) == ("rr:v1", 1) and other.choice.pins_version
+    core.check_integrity()
