@@ -112,18 +112,26 @@ async def _http_session(app: web.Application) -> AsyncIterator[None]:
             await upstream.close()
 
 
-def _restart_hung(app: web.Application, core, now: float) -> None:
+def _restart_hung(app: web.Application, core, now: float, said: dict[str, int]) -> None:
     """Ask the replica set's supervisor to restart each replica whose engine stalled
     ``policy.stall_restart_after`` times in a row (``DecisionCore.restart_due``); said once per
-    restart begun. Replicas the set did not launch (``replicas.urls``) stay on probation, as
-    ``DecisionCore.stalled`` has them."""
+    restart begun. Replicas the set did not launch (``replicas.urls``), or any with supervision
+    off, stay on probation, as ``DecisionCore.stalled`` has them: said once per stall count
+    (``said``: replica -> the count last said), so their operator knows to restart them."""
     replica_set = app.get(fleet.FLEET)
     for rid in list(core.replicas):
-        if core.restart_due(rid, now) and replica_set is not None and replica_set.engine_stalled(
-                rid, f"its engine stalled {core.replicas[rid].stalls} times in a row (no token finished "
+        if not core.restart_due(rid, now):
+            continue
+        stalls = core.replicas[rid].stalls
+        if replica_set is not None and replica_set.engine_stalled(
+                rid, f"its engine stalled {stalls} times in a row (no token finished "
                      f"for policy.stall_timeout_s={core.cfg.stall_timeout_s:g} s while it held work)"):
-            log.warning("replica %s: its engine stalled %d times in a row: restarting it", rid,
-                        core.replicas[rid].stalls)
+            log.warning("replica %s: its engine stalled %d times in a row: restarting it", rid, stalls)
+        elif said.get(rid) != stalls:
+            said[rid] = stalls
+            log.warning("replica %s: its engine stalled %d times in a row, but this router cannot restart it "
+                        "(not launched by it: replicas.urls, or supervision off): it stays on probation; "
+                        "restart its server", rid, stalls)
 
 
 async def _stop_polling(busy_poll: BusyPoll) -> None:
@@ -156,6 +164,7 @@ async def _scrape_loop(app: web.Application, interval_s: float, rounds: ScrapeRo
     run elsewhere (``Lifecycle.abandon``)."""
     http, pool, metrics, core = app[keys.HTTP], app[keys.POOL], app[keys.METRICS], app[keys.CORE]
     seen: set[str] = set()
+    said_hung: dict[str, int] = {}
     while True:
         started = time.monotonic()
         results = await rounds.run(http, pool, core, metrics, started, wait_s=interval_s)
@@ -169,7 +178,7 @@ async def _scrape_loop(app: web.Application, interval_s: float, rounds: ScrapeRo
                     why = "its engine stalled" if core.stalled(rid, time.monotonic()) else \
                         "it stopped answering its metrics scrapes"
                     app[keys.LIFECYCLE].abandon(rid, f"replica {rid}: {why}")
-        _restart_hung(app, core, started)
+        _restart_hung(app, core, started, said_hung)
         for exc in results:
             if isinstance(exc, Exception) and repr(type(exc)) not in seen:
                 seen.add(repr(type(exc)))

@@ -202,7 +202,7 @@ async def test_a_stalled_engine_is_taken_out_and_its_request_answered_by_another
     fakes = [FakeVllm(block_size=16), FakeVllm(block_size=16)]
     async with serving(fakes[0]) as url0, serving(fakes[1]) as url1:
         config = tmp_path / "router.yaml"
-        config.write_text(f"router:\n  port: 0\n  scrape_interval_s: 0.2\npolicy:\n  stall_timeout_s: 1.5\n"
+        config.write_text(f"router:\n  port: 0\n  scrape_interval_s: 0.2\npolicy:\n  stall_timeout_s: 1.5\n  stall_restart_after: 1\n"
                           f"replicas:\n  urls: [{url0}, {url1}]\n")
         proc, url = await start(config, no_vllm_env)
         body, headers = {"prompt": PROMPT, "max_tokens": 1}, {"X-Session-Id": "agent-1"}
@@ -243,6 +243,9 @@ async def test_a_stalled_engine_is_taken_out_and_its_request_answered_by_another
     assert shown == {pinned: (False, True, 1), replica: (True, False, 0)}, shown
     assert out == 0 and back == 1 and stalls == 1, (out, back, stalls)
     assert "stalled" in err.decode()  # said once in the log
+    # due for a restart at its first stall here (stall_restart_after: 1), which a urls server cannot
+    # get from this router: said once (every scrape round while it stalls saw it due), not silently
+    assert err.decode().count("this router cannot restart it") == 1, err.decode()[-3000:]
 
 
 def gauge(page: str, name: str, replica: str) -> float:
