@@ -21,9 +21,9 @@ a request costs the same on day seven as on day one. ``log`` is cut to its newes
 
 The version contract (DESIGN rule 6, README "Version contract"): a request whose salt names
 version s is *strict* (``SaltChoice.pins_version``) unless it is a keep+salt session or group
-continuing from an older start (``SaltChoice.continuing``, also when tagged with that start). A strict request runs only on a replica serving s; when no
-eligible replica does, the core re-salts it for a version one serves (:meth:`VersionBook.choice_for`),
-so its tokens are computed by the weights whose KV it reuses. Versions only grow on a replica,
+continuing from an older start (also when tagged with that start). A strict request runs only
+on a replica serving s; when no eligible replica does, the core re-salts it for a version one
+serves (:meth:`VersionBook.choice_for`), so its tokens are computed by the weights whose KV it reuses. Versions only grow on a replica,
 so the namespace of s on a replica serving s holds KV computed by s alone. Scoring is strict under
 every policy: it is salted by its own version even under ``keep`` (never under ``flush``, whose
 caches are emptied at every update) and never inherits a session's start salt.
@@ -60,20 +60,17 @@ class SaltChoice(msgspec.Struct, frozen=True):
     ``version``: the loaded version the request resolves to (it is routed to replicas serving
     it when one does); ``salt_version``: the version named by ``salt`` (older than ``version``
     for a keep+salt session that started before an update); both None without versions.
-    ``continuing``: a keep+salt session's or group's later turn on its start salt after an
-    update, so never strict (the allowed hybrid), even when tagged with the start version itself.
+    ``pins_version``: the request is *strict*: salted for its own version (``salt_version ==
+    version``), so routed only to replicas serving it; never for a keep+salt session's or group's
+    later turn on its start salt after an update (the allowed hybrid), even one tagged with the
+    start version itself. A field, set by :class:`VersionBook`, not derived: the core reads it
+    several times per request.
     """
 
     salt: str | None
     version: int | None
     salt_version: int | None
-    continuing: bool = False
-
-    @property
-    def pins_version(self) -> bool:
-        """Whether routing must prefer replicas that serve ``version`` (salted for its own
-        version, not a continuing keep+salt turn): the request is *strict*."""
-        return self.salt_version is not None and self.salt_version == self.version and not self.continuing
+    pins_version: bool = False
 
 
 NO_SALT = SaltChoice(None, None, None)
@@ -136,7 +133,7 @@ class VersionBook:
                 started = rec.start_version if started is None else started
         if scoring:
             salt = None if self.policy == "flush" else cache_salt_for_version(version)
-            return SaltChoice(tenant_salt(salt, tenant), version, None if salt is None else version)
+            return SaltChoice(tenant_salt(salt, tenant), version, None if salt is None else version, salt is not None)
         salt = choose_salt(self.policy, version, started, version)
         salt_version = None
         if salt is not None:
@@ -146,13 +143,14 @@ class VersionBook:
         # keep+salt allows, not strict (strict would re-salt it and lose its cached prefix)
         continuing = (self.policy == "keep+salt" and not new_key and salt_version is not None
                       and salt_version == started and self.current is not None and started < self.current)
-        return SaltChoice(tenant_salt(salt, tenant), version, salt_version, continuing)
+        strict = salt_version is not None and salt_version == version and not continuing
+        return SaltChoice(tenant_salt(salt, tenant), version, salt_version, strict)
 
     def choice_for(self, version: int, tenant: str | None) -> SaltChoice:
         """A strict choice for ``version`` (its salt, tenant folded in): a strict request
         re-salted because no eligible replica serves the version it was tagged for."""
         salt = cache_salt_for_version(version)
-        return SaltChoice(tenant_salt(salt, tenant), version, version)
+        return SaltChoice(tenant_salt(salt, tenant), version, version, True)
 
     def too_stale(self, requested: int | None, max_staleness: int | None) -> bool:
         """Whether a request tagged ``requested`` is older than ``current`` by more than

@@ -178,7 +178,7 @@ def test_excluded_equals_the_scan_under_any_loaded_history():
             else:
                 book.rotation[rid] = "updating"
             book.check_integrity()
-            for choice in (SaltChoice(None, version, version), SaltChoice("x", version, None)):
+            for choice in (SaltChoice("x", version, version, True), SaltChoice("x", version, None)):
                 want = set(book.rotation)
                 if choice.pins_version:
                     want |= {r for r, lv in book.loaded.items() if lv != version}
