@@ -134,9 +134,17 @@ class PolicyConfig:
     replica's supervisor to restart it (``DecisionCore.restart_due``): an engine that hung for
     good (a GPU or NCCL hang) otherwise holds its GPU, out of rotation, forever. With the
     default timeout the third stall in a row comes about 4 minutes after an engine hangs while
-    busy (later for one hung idle: only the requests sent to it show it). Only
+    busy (for one hung idle, counted from the probe that finds it: ``stall_probe_after_s``). Only
     replicas the router's replica set launched are restarted (``replicas.urls`` servers are
     not managed); 0: never."""
+
+    stall_probe_after_s: float = 120.0
+    """A replica in rotation whose engine finished no token for this long while holding no work
+    gets a probe: a one-token completion sent by the router (``DecisionCore.probe_due``). The probe
+    is work it holds, so an engine hung while idle is found by the stall rule before a client's
+    request is sent to it (and restarted after ``stall_restart_after`` stalls), instead of each
+    request sent there waiting out ``stall_timeout_s``. One probe per idle period costs the
+    engine one prompt token and one generated token. 0: off (also off with ``stall_timeout_s`` 0)."""
 
     key_ttl_s: float = 3600.0
     """A session's or group's record (pin, start version) unseen for longer than this, with
@@ -160,6 +168,7 @@ class PolicyConfig:
         _at_least(self, "failures_out_of_rotation", 1)
         _at_least(self, "stall_timeout_s", 0)
         _at_least(self, "stall_restart_after", 0)
+        _at_least(self, "stall_probe_after_s", 0)
         _at_least(self, "move_queue_cost_tokens", 0)
         _positive(self, "predicted_ttl_s")
         _positive(self, "balance_window_s")

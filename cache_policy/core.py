@@ -127,6 +127,11 @@ class ReplicaRecord:
     """When a scrape last began that showed the engine's ``finished_tokens`` moved, or followed one
     that showed it idle, or found the replica in a weight update: since then it held work and
     finished nothing (``DecisionCore.stalled``). None before the first scrape."""
+    finished_at: float | None = None
+    """When a scrape last began that showed ``finished_tokens`` move (or first saw the engine):
+    an idle engine is probed once this is ``policy.stall_probe_after_s`` old (:meth:`DecisionCore.probe_due`)."""
+    probing: bool = False
+    """A probe of the router is in flight there (:meth:`DecisionCore.probe_sent`): held work."""
     stalls: int = 0
     """Stalls in a row, with no token finished since the first."""
     stalled_until: float | None = None
@@ -283,6 +288,7 @@ class DecisionCore:
             return
         rec.num_gpu_blocks, rec.scoring_cap, rec.load = num_gpu_blocks, scoring_cap, ReplicaLoad()
         rec.progress_at, rec.busy, rec.stalls, rec.stalled_until, rec.answering = None, False, 0, None, 0
+        rec.finished_at, rec.probing = None, False
         rec.incarnation = next(self._incarnations)
         self._changed.add(rid)
         self.policy.on_cache_reset(rid)
@@ -327,13 +333,16 @@ class DecisionCore:
         moved = load.finished_tokens != rec.load.finished_tokens
         if moved:
             rec.stalls, rec.stalled_until = 0, None
+        if moved or rec.finished_at is None:
+            rec.finished_at = now
         if rec.progress_at is None or not rec.busy or moved or rid in self.versions.rotation:
             rec.progress_at = now
         # an engine hung while idle still shows its last numbers (vLLM updates them from engine
         # steps): the requests this router has in flight there count as held work too
         # (not those answering: their tokens are made, and a client reading a finished stream
         # slowly keeps it in flight; were the engine hung mid-answer, its gauges would show it)
-        rec.busy = load.num_running + load.num_waiting > 0 or self.admission.ledger.count(rid) > rec.answering
+        rec.busy = (load.num_running + load.num_waiting > 0 or self.admission.ledger.count(rid) > rec.answering
+                    or rec.probing)
         if (timeout > 0 and rec.busy and now - rec.progress_at >= timeout and rid not in self.versions.rotation
                 and (rec.stalled_until is None or now >= rec.stalled_until)):
             rec.stalls += 1
@@ -361,6 +370,32 @@ class DecisionCore:
             return
         job.answering = job.ticket.requests
         rec.answering += job.answering
+
+    def probe_due(self, rid: ReplicaId, now: float) -> bool:
+        """Whether the router should probe ``rid``'s engine now: it is in service (healthy, in
+        rotation), held no work at the last scrape, has no probe in flight, and finished no token
+        for ``policy.stall_probe_after_s`` (an engine hung while idle shows its last numbers and
+        answers ``/health``: only work sent to it tells). False with the stall rule off, or the
+        probe's setting 0. Send it, then :meth:`probe_sent`; :meth:`probe_ended` once it ends."""
+        rec = self.replicas.get(rid)
+        after = self.cfg.stall_probe_after_s
+        return (rec is not None and after > 0 and self.cfg.stall_timeout_s > 0 and rec.healthy
+                and not rec.busy and not rec.probing and rec.finished_at is not None
+                and now - rec.finished_at >= after and rid not in self.versions.rotation)
+
+    def probe_sent(self, rid: ReplicaId) -> None:
+        """A probe is in flight on ``rid``: work the engine holds for the stall rule, so an engine
+        that never finishes it stalls (:meth:`stalled`) as one holding a client's request would."""
+        rec = self.replicas.get(rid)
+        if rec is not None:
+            rec.probing = rec.busy = True
+
+    def probe_ended(self, rid: ReplicaId) -> None:
+        """The probe on ``rid`` ended (answered, failed or timed out; the tokens it finished show
+        at the next scrape). Idempotent; ignored for a replica that left."""
+        rec = self.replicas.get(rid)
+        if rec is not None:
+            rec.probing = False
 
     def restart_due(self, rid: ReplicaId, now: float) -> bool:
         """Whether ``rid`` is stalled at ``now`` for the ``policy.stall_restart_after``-th time in

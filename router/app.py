@@ -25,7 +25,7 @@ from router.lifecycle import Lifecycle
 from router.metrics import RouterMetrics, metrics_middleware
 from router.parse import Limits
 from router.pool import ReplicaPool
-from router.scrape import ScrapeRounds
+from router.scrape import EngineProbes, ScrapeRounds
 from router.shutdown import SHUTDOWN
 from router.state import make_state
 from router.state.sync import state_sync_ctx
@@ -147,21 +147,26 @@ async def _scraper(app: web.Application) -> AsyncIterator[None]:
     if interval <= 0:
         yield
         return
-    rounds = ScrapeRounds()
-    task = asyncio.create_task(_scrape_loop(app, interval, rounds))
+    rounds, probes = ScrapeRounds(), EngineProbes()
+    task = asyncio.create_task(_scrape_loop(app, interval, rounds, probes))
     yield
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
     await rounds.close()
+    await probes.close()
 
 
-async def _scrape_loop(app: web.Application, interval_s: float, rounds: ScrapeRounds) -> None:
+async def _scrape_loop(app: web.Application, interval_s: float, rounds: ScrapeRounds, probes: EngineProbes) -> None:
     """Scrape every replica each ``interval_s`` seconds; each round wakes the admission queue.
     Survives anything one replica or one round throws (logged once per cause); a replica that
     hangs holds up no round (``ScrapeRounds``). A replica a round took out of rotation because
     its scrapes got no answer in time (hung, not one answering errors) has its requests in flight
-    run elsewhere (``Lifecycle.abandon``)."""
+    run elsewhere (``Lifecycle.abandon``); one whose engine stalled ``policy.stall_restart_after``
+    times in a row is restarted (:func:`_restart_hung`); an idle engine that finished no token for
+    ``policy.stall_probe_after_s`` is probed (``router.scrape.EngineProbes``), so one hung while
+    idle stalls on the probe, not on a client's request."""
+    probe_timeout_s = app[keys.CONFIG].router.request_timeout_s
     http, pool, metrics, core = app[keys.HTTP], app[keys.POOL], app[keys.METRICS], app[keys.CORE]
     seen: set[str] = set()
     said_hung: dict[str, int] = {}
@@ -178,12 +183,13 @@ async def _scrape_loop(app: web.Application, interval_s: float, rounds: ScrapeRo
                     why = "its engine stalled" if core.stalled(rid, time.monotonic()) else \
                         "it stopped answering its metrics scrapes"
                     app[keys.LIFECYCLE].abandon(rid, f"replica {rid}: {why}")
-        _restart_hung(app, core, started, said_hung)
         for exc in results:
             if isinstance(exc, Exception) and repr(type(exc)) not in seen:
                 seen.add(repr(type(exc)))
                 log.warning("metrics scrape failed unexpectedly (logged once per cause): %r", exc)
         try:
+            _restart_hung(app, core, started, said_hung)
+            probes.start_due(http, pool, core, metrics, started, probe_timeout_s)
             app[keys.LIFECYCLE].pump()
             metrics.publish_replicas(core, pool)
             metrics.publish_state({**core.state_sizes(), **app[keys.LIFECYCLE].state_sizes()})

@@ -174,6 +174,10 @@ class RouterMetrics:
         self.stalls = Counter("rollout_router_replica_stalls", "Times a replica's engine was found stalled (held "
                               "requests, finished no token for policy.stall_timeout_s) and marked unhealthy",
                               ["replica"], registry=r)
+        self.probes = Counter("rollout_router_replica_probes", "Probes of idle engines (a one-token completion "
+                              "after policy.stall_probe_after_s without a finished token), by outcome: ok, "
+                              "refused (an HTTP error), failed (no connection), timeout", ["replica", "outcome"],
+                              registry=r)
         self.latency = Histogram("rollout_router_request_seconds", "End-to-end request latency, by endpoint",
                                  ["endpoint"], registry=r,
                                  buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))

@@ -65,6 +65,72 @@ async def scrape_once(http: aiohttp.ClientSession, state: ReplicaState, core: De
     metrics.healthy.labels(rid).set(1 if rid in core.replicas and core.replicas[rid].healthy else 0)
 
 
+PROBE_BODY = {"prompt": [0], "max_tokens": 1, "temperature": 0}
+"""A probe (``DecisionCore.probe_due``): one token of any vocabulary (ID 0), one generated, no
+full block (nothing for the prefix cache to keep)."""
+
+
+async def probe_engine(http: aiohttp.ClientSession, state: ReplicaState, metrics: RouterMetrics,
+                       timeout_s: float, seen: set[str]) -> str:
+    """Send one probe to ``state``'s replica and wait for its answer (at most ``timeout_s``):
+    ``"ok"`` (HTTP 200), ``"refused"`` (another status), ``"failed"`` (no answer: the connection
+    failed) or ``"timeout"``; counted in ``rollout_router_replica_probes_total``. An outcome other
+    than ok is logged once per replica and outcome (``seen``); a hung engine never answers, and
+    the stall rule, to which the probe is held work, says so. Never raises but CancelledError."""
+    endpoint = state.endpoint
+    try:
+        async with http.post(endpoint.base_url + "/v1/completions", json={"model": endpoint.model, **PROBE_BODY},
+                             timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+            text = await r.text(errors="replace")
+            outcome, why = ("ok", "") if r.status == 200 else ("refused", f"HTTP {r.status}: {text[:200]}")
+    except asyncio.TimeoutError:
+        outcome, why = "timeout", f"no answer within {timeout_s:g} s"
+    except (aiohttp.ClientError, OSError, ValueError) as exc:
+        outcome, why = "failed", repr(exc)
+    if metrics.live(endpoint.replica_id):
+        metrics.probes.labels(endpoint.replica_id, outcome).inc()
+    if outcome != "ok" and f"{endpoint.replica_id}:{outcome}" not in seen:
+        seen.add(f"{endpoint.replica_id}:{outcome}")
+        log.warning("replica %s: the probe of its idle engine (a one-token completion) got %s (logged once per "
+                    "replica and outcome): %s", endpoint.replica_id, outcome, why)
+    return outcome
+
+
+class EngineProbes:
+    """Probes in flight, at most one per replica (``DecisionCore.probe_due``): each is work the
+    engine holds for the stall rule until it ends (``probe_sent`` / ``probe_ended``)."""
+
+    def __init__(self) -> None:
+        self._pending: dict[ReplicaId, asyncio.Task] = {}
+        self._seen: set[str] = set()
+
+    def start_due(self, http: aiohttp.ClientSession, pool: ReplicaPool, core: DecisionCore, metrics: RouterMetrics,
+                  now: float, timeout_s: float) -> list[ReplicaId]:
+        """Probe every replica due at ``now`` with none in flight; the replicas probed."""
+        started = []
+        for state in list(pool.states()):
+            rid = state.endpoint.replica_id
+            if rid in self._pending or not core.probe_due(rid, now):
+                continue
+            core.probe_sent(rid)
+            task = asyncio.create_task(probe_engine(http, state, metrics, timeout_s, self._seen))
+            self._pending[rid] = task
+            task.add_done_callback(lambda _, rid=rid: self._ended(core, rid))
+            started.append(rid)
+        return started
+
+    def _ended(self, core: DecisionCore, rid: ReplicaId) -> None:
+        self._pending.pop(rid, None)
+        core.probe_ended(rid)
+
+    async def close(self) -> None:
+        """Cancel the probes in flight (the router is stopping)."""
+        tasks = list(self._pending.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 class ScrapeRounds:
     """The scrape loop's rounds: at most one scrape per replica in flight, and a round waits for
     them at most ``wait_s``. A replica that hangs (until ``SCRAPE_TIMEOUT_S``) holds up neither the

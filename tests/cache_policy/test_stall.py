@@ -227,3 +227,54 @@ def test_a_request_taken_back_from_a_stalled_replica_is_placed_elsewhere_and_cou
     c.finish(job, "ok", 2.0)
     assert job.done and c.replicas[first].failures == 0  # not a suspect either
     c.check_integrity()
+
+
+def test_an_idle_engine_gets_a_probe_and_one_hung_while_idle_stalls_on_it_and_is_restarted():
+    # an engine hung while idle shows its last numbers and answers /health: without a probe the
+    # first client request sent there waits out the stall timeout; with one, the stall rule finds
+    # it (and, at policy.stall_restart_after, has it restarted) while no client waits
+    c = DecisionCore(PolicyConfig(stall_timeout_s=10.0, stall_probe_after_s=30.0, stall_restart_after=3))
+    c.add_replica("r0", block_size=16, num_gpu_blocks=100)
+    assert not c.probe_due("r0", 0.0)  # never scraped: nothing known
+    c.observe_load("r0", load(0, 500), 0.0)
+    assert not c.probe_due("r0", 29.0) and c.probe_due("r0", 30.0)
+    # a healthy engine answers it: its tokens move, the next probe is due a period later
+    c.probe_sent("r0")
+    assert not c.probe_due("r0", 31.0)  # one at a time
+    c.probe_ended("r0")
+    for t in range(31, 62):  # scraped every second, idle
+        c.observe_load("r0", load(0, 502), float(t))
+        assert c.probe_due("r0", float(t)) == (t >= 61) and not c.stalled("r0", float(t))
+    # now it hangs: the probe never ends; held work with no token is a stall, three in a row a restart
+    c.probe_sent("r0")
+    restart_at = None
+    for t in range(62, 400):
+        c.observe_load("r0", load(0, 502), float(t))
+        if c.restart_due("r0", float(t)):
+            restart_at = t
+            break
+        assert not c.probe_due("r0", float(t))  # never a second probe beside the first
+    assert c.replicas["r0"].stalls == 3 and restart_at == 61 + 10 + 10 + 20, restart_at
+    c.restarted("r0", num_gpu_blocks=100)
+    assert not c.replicas["r0"].probing and not c.probe_due("r0", 1000.0)  # a fresh engine: scraped first
+
+
+def test_no_probe_while_busy_out_of_rotation_or_with_the_rule_off():
+    c = DecisionCore(PolicyConfig(stall_timeout_s=10.0, stall_probe_after_s=30.0))
+    c.add_replica("r0", block_size=16, num_gpu_blocks=100)
+    c.observe_load("r0", load(1, 500), 0.0)  # running a request (a long prefill: no token counted yet)
+    assert not c.probe_due("r0", 40.0)
+    c.observe_load("r0", load(0, 500), 1.0)
+    c.set_rotation("r0", "updating")
+    assert not c.probe_due("r0", 40.0)
+    c.set_rotation("r0", None)
+    assert c.probe_due("r0", 40.0)
+    c.set_health("r0", False)
+    assert not c.probe_due("r0", 40.0)
+    for cfg in (PolicyConfig(stall_timeout_s=0.0), PolicyConfig(stall_probe_after_s=0.0)):
+        off = DecisionCore(cfg)
+        off.add_replica("r0", block_size=16, num_gpu_blocks=100)
+        off.observe_load("r0", load(0, 500), 0.0)
+        assert not off.probe_due("r0", 1e6)
+    c.probe_ended("gone")  # a replica that left: ignored
+    c.probe_sent("gone")

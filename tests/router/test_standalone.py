@@ -248,6 +248,53 @@ async def test_a_stalled_engine_is_taken_out_and_its_request_answered_by_another
     assert err.decode().count("this router cannot restart it") == 1, err.decode()[-3000:]
 
 
+async def test_an_engine_hung_while_idle_is_found_by_a_probe_before_any_client_request_waits_on_it(tmp_path, no_vllm_env):
+    # without the probe an engine hung while idle looks healthy (it answers /health and /metrics,
+    # which stand still as an idle engine's do) until a client's request is sent there and waits
+    # out policy.stall_timeout_s; the router's probe is that request, so no client waits
+    fakes = [FakeVllm(block_size=16), FakeVllm(block_size=16)]
+    async with serving(fakes[0]) as url0, serving(fakes[1]) as url1:
+        config = tmp_path / "router.yaml"
+        config.write_text(f"router:\n  port: 0\n  scrape_interval_s: 0.2\npolicy:\n  stall_timeout_s: 1.5\n"
+                          f"  stall_probe_after_s: 1\nreplicas:\n  urls: [{url0}, {url1}]\n")
+        fakes[0].stall()  # hung from the start: it never answers a completion
+        proc, url = await start(config, no_vllm_env)
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
+                deadline = time.monotonic() + 20
+                while True:  # probed after 1 s idle, stalled 1.5 s later
+                    async with http.get(url + "/health") as resp:
+                        rows = {r["replica"]: r for r in (await resp.json())["replicas"]}
+                    if rows["replica-0"]["stalled"] or time.monotonic() > deadline:
+                        break
+                    await asyncio.sleep(0.1)
+                assert rows["replica-0"]["stalled"] and not rows["replica-1"]["stalled"], rows
+                assert [b["prompt"] for b in fakes[0].bodies] == [[0]] and fakes[0].bodies[0]["max_tokens"] == 1
+                took = []
+                for i in range(4):  # new sessions: none is sent to the hung engine, none waits
+                    t0 = time.monotonic()
+                    headers = {"X-Session-Id": f"agent-{i}"}
+                    async with http.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 1},
+                                         headers=headers) as resp:
+                        assert resp.status == 200 and resp.headers["X-Rollout-Replica"] == "replica-1"
+                    took.append(time.monotonic() - t0)
+                fakes[0].resume()  # the probe is answered: tokens move, it is back
+                for _ in range(100):
+                    await asyncio.sleep(0.1)
+                    async with http.get(url + "/metrics") as resp:
+                        page = await resp.text()
+                    if gauge(page, "rollout_router_replica_healthy", "replica-0") == 1:
+                        break
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            _, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, err.decode()[-2000:]
+    assert max(took) < 1.0, took  # not the stall timeout
+    assert gauge(page, "rollout_router_replica_healthy", "replica-0") == 1
+    assert 'rollout_router_replica_probes_total{outcome="ok",replica="replica-0"} 1.0' in page, page[-3000:]
+    assert all(b["prompt"] == [0] for b in fakes[0].bodies)  # probes alone (another may follow 1 s after)
+
+
 def gauge(page: str, name: str, replica: str) -> float:
     """The value of ``name{replica="..."}`` on a Prometheus text ``page``."""
     prefix = f'{name}{{replica="{replica}"}} '
