@@ -172,7 +172,8 @@ def replica_rows(app: web.Application) -> list[dict[str, Any]]:
     """Every replica as ``GET /health`` and ``GET /admin/replicas`` show it: its URL, health
     (``stalled``: its engine holds work and finishes no token, ``DecisionCore.stalled``;
     ``stalls``: stalls in a row with no token finished since, so a hung engine between two
-    stalls, back on probation, shows non-zero),
+    stalls, back on probation, shows non-zero; ``probing``: a probe of its idle engine is in
+    flight, ``DecisionCore.probe_due``),
     rotation (out during a weight update, with the reason), requests in flight, KV cache usage,
     scoring cap and weight version."""
     core, pool, now = app[keys.CORE], app[keys.POOL], time.monotonic()
@@ -183,6 +184,7 @@ def replica_rows(app: web.Application) -> list[dict[str, Any]]:
         rows.append({
             "replica": rid, "url": s.endpoint.base_url, "healthy": rec is not None and rec.healthy,
             "stalled": core.stalled(rid, now), "stalls": rec.stalls if rec is not None else 0,
+            "probing": rec is not None and rec.probing,
             "in_flight": core.in_flight(rid),
             "kv_cache_usage": s.metrics.kv_cache_usage, "scoring_cap": s.endpoint.scoring_cap,
             "weight_version": core.versions.loaded.get(rid), "in_rotation": rid not in core.versions.rotation,

@@ -269,6 +269,7 @@ async def test_an_engine_hung_while_idle_is_found_by_a_probe_before_any_client_r
                         break
                     await asyncio.sleep(0.1)
                 assert rows["replica-0"]["stalled"] and not rows["replica-1"]["stalled"], rows
+                assert rows["replica-0"]["probing"], rows  # the probe still hangs there
                 assert [b["prompt"] for b in fakes[0].bodies] == [[0]] and fakes[0].bodies[0]["max_tokens"] == 1
                 took = []
                 for i in range(4):  # new sessions: none is sent to the hung engine, none waits
