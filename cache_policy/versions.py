@@ -124,25 +124,26 @@ class VersionBook:
         version = self.resolve(requested)
         started = None
         new_key = False
-        for kind, key in (("session", session_id), ("group", group_id)):
-            if key is not None:
-                rec = registry.touch(kind, key)
-                if rec.start_version is None:
-                    rec.start_version = version
-                    new_key = new_key or started is None
-                started = rec.start_version if started is None else started
+        if session_id is not None or group_id is not None:
+            for kind, key in (("session", session_id), ("group", group_id)):
+                if key is not None:
+                    rec = registry.touch(kind, key)
+                    if rec.start_version is None:
+                        rec.start_version = version
+                        new_key = new_key or started is None
+                    started = rec.start_version if started is None else started
         if scoring:
             salt = None if self.policy == "flush" else cache_salt_for_version(version)
             return SaltChoice(tenant_salt(salt, tenant), version, None if salt is None else version, salt is not None)
         salt = choose_salt(self.policy, version, started, version)
         salt_version = None
         if salt is not None:
-            salt_version = started if salt == cache_salt_for_version(started) else version
+            salt_version = started if started is not None and salt == cache_salt_for_version(started) else version
         # a later turn on the start salt after an update, tagged with the start version itself
         # (RL clients tag every request with the version they sampled from): still the hybrid
         # keep+salt allows, not strict (strict would re-salt it and lose its cached prefix)
-        continuing = (self.policy == "keep+salt" and not new_key and salt_version is not None
-                      and salt_version == started and self.current is not None and started < self.current)
+        continuing = (started is not None and not new_key and salt_version == started and self.policy == "keep+salt"
+                      and self.current is not None and started < self.current)
         strict = salt_version is not None and salt_version == version and not continuing
         return SaltChoice(tenant_salt(salt, tenant), version, salt_version, strict)
 
