@@ -129,7 +129,9 @@ def routing_keys(body: dict[str, Any], headers: Mapping[str, str], limits: Limit
     limits = limits or default_limits()
     values: dict[str, Any] = {}
     for name in ROUTING_FIELDS:
-        value, header = body.pop(name, None), one_header(headers, HEADER_FOR[name], name)
+        value, header = body.pop(name, None), headers.get(HEADER_FOR[name])
+        if header is not None:  # sent: once, or every time alike (one_header); absent: no multidict walk
+            header = one_header(headers, HEADER_FOR[name], name)
         if value is not None and header is not None and str(value) != header:
             raise BadRequest(f"'{name}' is {echo(value)!r} in the body but {echo(header)!r} in header "
                              f"{HEADER_FOR[name]}; send it once", param=name)
@@ -145,7 +147,9 @@ def routing_keys(body: dict[str, Any], headers: Mapping[str, str], limits: Limit
 
 def _end_session(body: dict[str, Any], headers: Mapping[str, str]) -> bool:
     """``end_session`` (body, popped) or ``X-Session-End`` (header): this is the session's last turn."""
-    value, header = body.pop("end_session", None), one_header(headers, "X-Session-End", "end_session")
+    value, header = body.pop("end_session", None), headers.get("X-Session-End")
+    if header is not None:
+        header = one_header(headers, "X-Session-End", "end_session")
     if value is not None and not isinstance(value, bool):
         raise BadRequest("'end_session' must be a boolean", param="end_session")
     if header is not None and header.strip().lower() not in ("true", "false", "1", "0"):
