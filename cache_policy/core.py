@@ -806,7 +806,11 @@ class DecisionCore:
         if not eligible:
             return
         new = self.versions.choice_for(max(eligible), job.spec.tenant)
-        for kind, key in (("session", job.spec.session_id), ("group", job.spec.group_id)):
+        # a key whose start this job's version set moves with it; scoring never inherits a
+        # session's start (VersionBook.assign), so it never moves one (a fresh attacker's score
+        # tagged with its session's start re-based the session, whose next turn lost its prefix)
+        keys = () if job.spec.kind == "score" else (("session", job.spec.session_id), ("group", job.spec.group_id))
+        for kind, key in keys:
             rec = self.registry.record_of(kind, key) if key is not None else None  # type: ignore[arg-type]
             if rec is not None and rec.start_version == choice.version:
                 rec.start_version = new.version

@@ -140,3 +140,24 @@ def test_a_keep_plus_salt_turn_tagged_with_its_session_start_version_continues_o
     core.place(other, 2.0)
     assert (other.salt, other.weight_version) == ("rr:v1", 1) and other.choice.pins_version
     core.check_integrity()
+
+
+def test_a_score_resalted_for_the_served_version_leaves_its_session_start_alone():
+    # a fresh attacker: a /v1/score tagged with the session's start version, after an update,
+    # is strict and re-salted for the version served; it also re-based the session's start, so
+    # the session's next turn lost its salt and its cached prefix (scoring never inherits a
+    # session's start, so it must not move it either)
+    core = fleet("keep+salt")
+    first = core.open(RequestSpec(PROMPT, session_id="s"), 0.0)
+    core.place(first, 0.0)
+    core.finish(first, "ok", 0.0)
+    update(core, A, 1)
+    update(core, B, 1)
+    score = core.open(RequestSpec(PROMPT, session_id="s", kind="score", fan_out=2, weight_version=0), 1.0)
+    core.place(score, 1.0)
+    assert (score.salt, score.weight_version) == ("rr:v1", 1)
+    core.finish(score, "ok", 1.0)
+    assert core.registry.get("session", "s").start_version == 0
+    turn = core.open(RequestSpec(PROMPT + [5] * 40, session_id="s", weight_version=0), 2.0)
+    assert turn.salt == "rr:v0" and not turn.choice.pins_version
+    core.check_integrity()
