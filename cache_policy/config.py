@@ -122,8 +122,8 @@ class PolicyConfig:
     is stalled: a hung GPU or engine core behind an API server that still answers ``/health`` and
     ``/metrics`` (vLLM's health check reports only a dead engine). It is marked unhealthy (no new
     work) and its requests in flight run on another replica at once, for this long, twice as long
-    for each stall in a row, at most 8 times as long, or until a token moves; then the next
-    request sent there tells. A replica in a weight update is never stalled. Judged at each
+    for each stall in a row, at most 8 times as long, or until a token moves; then a probe tells
+    whether it still hangs (``stall_probe_after_s``; with probes off, the next request sent there). A replica in a weight update is never stalled. Judged at each
     metrics scrape (off with ``router.scrape_interval_s: 0``). Set it longer than the longest
     time an engine may finish nothing while working: vLLM counts a prompt's tokens only once its
     whole (chunked) prefill is done, and the first steps after a start or a weight reload are
@@ -144,7 +144,9 @@ class PolicyConfig:
     is work it holds, so an engine hung while idle is found by the stall rule before a client's
     request is sent to it (and restarted after ``stall_restart_after`` stalls), instead of each
     request sent there waiting out ``stall_timeout_s``. One probe per idle period costs the
-    engine one prompt token and one generated token. 0: off (also off with ``stall_timeout_s`` 0)."""
+    engine one prompt token and one generated token. At the end of a stall the replica is probed
+    again, and it stays out until the probe is answered or a token moves (a probe its server
+    refuses ends the stall at its time). 0: off (also off with ``stall_timeout_s`` 0)."""
 
     key_ttl_s: float = 3600.0
     """A session's or group's record (pin, start version) unseen for longer than this, with

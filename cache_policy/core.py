@@ -127,11 +127,15 @@ class ReplicaRecord:
     """When a scrape last began that showed the engine's ``finished_tokens`` moved, or followed one
     that showed it idle, or found the replica in a weight update: since then it held work and
     finished nothing (``DecisionCore.stalled``). None before the first scrape."""
-    finished_at: float | None = None
-    """When a scrape last began that showed ``finished_tokens`` move (or first saw the engine):
-    an idle engine is probed once this is ``policy.stall_probe_after_s`` old (:meth:`DecisionCore.probe_due`)."""
+    checked_at: float | None = None
+    """When a scrape last began that showed ``finished_tokens`` move (or first saw the engine), or
+    a probe was last sent: an idle engine is probed once this is ``policy.stall_probe_after_s``
+    old (:meth:`DecisionCore.probe_due`), so at most once a period, whatever its counters do."""
     probing: bool = False
     """A probe of the router is in flight there (:meth:`DecisionCore.probe_sent`): held work."""
+    suspect: bool = False
+    """It stalled and has neither finished a token nor answered a probe since: with probes on,
+    it stays out past its stall's end until one of them shows it moves (:meth:`DecisionCore.stalled`)."""
     stalls: int = 0
     """Stalls in a row, with no token finished since the first."""
     stalled_until: float | None = None
@@ -288,7 +292,7 @@ class DecisionCore:
             return
         rec.num_gpu_blocks, rec.scoring_cap, rec.load = num_gpu_blocks, scoring_cap, ReplicaLoad()
         rec.progress_at, rec.busy, rec.stalls, rec.stalled_until, rec.answering = None, False, 0, None, 0
-        rec.finished_at, rec.probing = None, False
+        rec.checked_at, rec.probing, rec.suspect = None, False, False
         rec.incarnation = next(self._incarnations)
         self._changed.add(rid)
         self.policy.on_cache_reset(rid)
@@ -332,9 +336,9 @@ class DecisionCore:
         rid, timeout = rec.replica_id, self.cfg.stall_timeout_s
         moved = load.finished_tokens != rec.load.finished_tokens
         if moved:
-            rec.stalls, rec.stalled_until = 0, None
-        if moved or rec.finished_at is None:
-            rec.finished_at = now
+            rec.stalls, rec.stalled_until, rec.suspect = 0, None, False
+        if moved or rec.checked_at is None:
+            rec.checked_at = now
         if rec.progress_at is None or not rec.busy or moved or rid in self.versions.rotation:
             rec.progress_at = now
         # an engine hung while idle still shows its last numbers (vLLM updates them from engine
@@ -347,16 +351,22 @@ class DecisionCore:
                 and (rec.stalled_until is None or now >= rec.stalled_until)):
             rec.stalls += 1
             rec.stalled_until = now + timeout * min(2 ** (rec.stalls - 1), MAX_STALL_TIMEOUTS)
+            rec.suspect = True
 
     def stalled(self, rid: ReplicaId, now: float) -> bool:
         """Whether ``rid``'s engine is stalled at ``now``: by the scrapes given to
         :meth:`observe_load`, it held requests for ``policy.stall_timeout_s`` seconds without
         finishing a token of any (a hung engine behind a live API server), and neither has a
-        token moved since nor its stall ended (:meth:`_watch_progress`). False for an unknown
+        token moved since nor its stall ended (:meth:`_watch_progress`). With probes on
+        (``policy.stall_probe_after_s``) a stall ends only when a token moves or a probe is
+        answered (:meth:`probe_ended`): once its time is up the replica is probed
+        (:meth:`probe_due`), and no client's request is sent to an engine still hung (without
+        probes the next request sent there tells, a half-open breaker). False for an unknown
         replica, one in a weight update (out of rotation: its engine is paused on purpose), or
         with the rule off (``stall_timeout_s`` 0)."""
         rec = self.replicas.get(rid)
-        return (rec is not None and rec.stalled_until is not None and now < rec.stalled_until
+        return (rec is not None and rec.stalled_until is not None
+                and (now < rec.stalled_until or (rec.suspect and self.cfg.stall_probe_after_s > 0))
                 and self.cfg.stall_timeout_s > 0 and rid not in self.versions.rotation)
 
     def answering(self, job: Job) -> None:
@@ -372,30 +382,46 @@ class DecisionCore:
         rec.answering += job.answering
 
     def probe_due(self, rid: ReplicaId, now: float) -> bool:
-        """Whether the router should probe ``rid``'s engine now: it is in service (healthy, in
-        rotation), held no work at the last scrape, has no probe in flight, and finished no token
-        for ``policy.stall_probe_after_s`` (an engine hung while idle shows its last numbers and
-        answers ``/health``: only work sent to it tells). False with the stall rule off, or the
-        probe's setting 0. Send it, then :meth:`probe_sent`; :meth:`probe_ended` once it ends."""
+        """Whether the router should probe ``rid``'s engine now: in rotation, no work held at the
+        last scrape, no probe in flight, and either in service with no token finished for
+        ``policy.stall_probe_after_s`` (an engine hung while idle shows its last numbers and
+        answers ``/health``: only work sent to it tells), or at the end of a stall that neither a
+        token nor a probe ended yet (``ReplicaRecord.suspect``: the probe, not a client's request,
+        tells whether it still hangs). False with the stall rule off, or the probe's setting 0.
+        Send it, then :meth:`probe_sent`; :meth:`probe_ended` once it ends."""
         rec = self.replicas.get(rid)
         after = self.cfg.stall_probe_after_s
-        return (rec is not None and after > 0 and self.cfg.stall_timeout_s > 0 and rec.healthy
-                and not rec.busy and not rec.probing and rec.finished_at is not None
-                and now - rec.finished_at >= after and rid not in self.versions.rotation)
+        if (rec is None or after <= 0 or self.cfg.stall_timeout_s <= 0 or rec.busy or rec.probing
+                or rid in self.versions.rotation):
+            return False
+        if rec.suspect:
+            return rec.stalled_until is not None and now >= rec.stalled_until
+        return rec.healthy and rec.checked_at is not None and now - rec.checked_at >= after
 
-    def probe_sent(self, rid: ReplicaId) -> None:
-        """A probe is in flight on ``rid``: work the engine holds for the stall rule, so an engine
-        that never finishes it stalls (:meth:`stalled`) as one holding a client's request would."""
+    def probe_sent(self, rid: ReplicaId, now: float) -> None:
+        """A probe is in flight on ``rid`` since ``now``: work the engine holds for the stall rule,
+        so an engine that never finishes it stalls (:meth:`stalled`) as one holding a client's
+        request would."""
         rec = self.replicas.get(rid)
         if rec is not None:
             rec.probing = rec.busy = True
+            rec.checked_at = now
 
-    def probe_ended(self, rid: ReplicaId) -> None:
-        """The probe on ``rid`` ended (answered, failed or timed out; the tokens it finished show
-        at the next scrape). Idempotent; ignored for a replica that left."""
+    def probe_ended(self, rid: ReplicaId, answered: bool | None) -> None:
+        """The probe on ``rid`` ended. ``answered``: True when the engine answered it (HTTP 200:
+        it finished a token, so a stall ends now, before the next scrape shows the counters
+        move); False when it got no answer in time (still hung: the stall stands); None when it
+        tells nothing of the engine (the server refused it, or the connection failed: the stall
+        ends at its time and the next request sent there tells, as without probes).
+        Idempotent; ignored for a replica that left."""
         rec = self.replicas.get(rid)
-        if rec is not None:
-            rec.probing = False
+        if rec is None:
+            return
+        rec.probing = False
+        if answered:
+            rec.stalls, rec.stalled_until, rec.suspect = 0, None, False
+        elif answered is None:
+            rec.suspect = False
 
     def restart_due(self, rid: ReplicaId, now: float) -> bool:
         """Whether ``rid`` is stalled at ``now`` for the ``policy.stall_restart_after``-th time in

@@ -112,16 +112,17 @@ class EngineProbes:
             rid = state.endpoint.replica_id
             if rid in self._pending or not core.probe_due(rid, now):
                 continue
-            core.probe_sent(rid)
+            core.probe_sent(rid, now)
             task = asyncio.create_task(probe_engine(http, state, metrics, timeout_s, self._seen))
             self._pending[rid] = task
-            task.add_done_callback(lambda _, rid=rid: self._ended(core, rid))
+            task.add_done_callback(lambda task, rid=rid: self._ended(core, rid, task))
             started.append(rid)
         return started
 
-    def _ended(self, core: DecisionCore, rid: ReplicaId) -> None:
+    def _ended(self, core: DecisionCore, rid: ReplicaId, task: asyncio.Task) -> None:
         self._pending.pop(rid, None)
-        core.probe_ended(rid)
+        outcome = None if task.cancelled() or task.exception() is not None else task.result()
+        core.probe_ended(rid, {"ok": True, "timeout": False}.get(outcome))
 
     async def close(self) -> None:
         """Cancel the probes in flight (the router is stopping)."""

@@ -12,7 +12,9 @@ from cache_policy.core import MAX_STALL_TIMEOUTS, DecisionCore, ReplicaLoad, Req
 
 
 def core(timeout_s: float = 10.0) -> DecisionCore:
-    c = DecisionCore(PolicyConfig(stall_timeout_s=timeout_s))
+    # probes off: these tests are the half-open breaker (the next request sent there tells);
+    # with probes on (the default) a probe tells instead (the tests at the end)
+    c = DecisionCore(PolicyConfig(stall_timeout_s=timeout_s, stall_probe_after_s=0.0))
     c.add_replica("r0", block_size=16, num_gpu_blocks=100)
     return c
 
@@ -239,14 +241,14 @@ def test_an_idle_engine_gets_a_probe_and_one_hung_while_idle_stalls_on_it_and_is
     c.observe_load("r0", load(0, 500), 0.0)
     assert not c.probe_due("r0", 29.0) and c.probe_due("r0", 30.0)
     # a healthy engine answers it: its tokens move, the next probe is due a period later
-    c.probe_sent("r0")
+    c.probe_sent("r0", 30.0)
     assert not c.probe_due("r0", 31.0)  # one at a time
-    c.probe_ended("r0")
+    c.probe_ended("r0", True)
     for t in range(31, 62):  # scraped every second, idle
         c.observe_load("r0", load(0, 502), float(t))
         assert c.probe_due("r0", float(t)) == (t >= 61) and not c.stalled("r0", float(t))
     # now it hangs: the probe never ends; held work with no token is a stall, three in a row a restart
-    c.probe_sent("r0")
+    c.probe_sent("r0", 61.0)
     restart_at = None
     for t in range(62, 400):
         c.observe_load("r0", load(0, 502), float(t))
@@ -276,5 +278,59 @@ def test_no_probe_while_busy_out_of_rotation_or_with_the_rule_off():
         off.add_replica("r0", block_size=16, num_gpu_blocks=100)
         off.observe_load("r0", load(0, 500), 0.0)
         assert not off.probe_due("r0", 1e6)
-    c.probe_ended("gone")  # a replica that left: ignored
-    c.probe_sent("gone")
+    c.probe_ended("gone", True)  # a replica that left: ignored
+    c.probe_sent("gone", 40.0)
+
+
+def _probing_core(**cfg) -> DecisionCore:
+    c = DecisionCore(PolicyConfig(**{"stall_timeout_s": 10.0, "stall_probe_after_s": 30.0, "stall_restart_after": 0, **cfg}))
+    c.add_replica("r0", block_size=16, num_gpu_blocks=100)
+    return c
+
+
+def test_with_probes_a_stall_ends_only_when_a_probe_is_answered_or_a_token_moves():
+    # a fresh attacker: at the end of each stall of an engine hung while idle, client requests
+    # were sent there again and each waited out the stall timeout (the half-open breaker); with
+    # probes on, the probe tells instead, and the replica stays out until it is answered
+    c = _probing_core()
+    for t in range(0, 31):  # idle, scraped every second
+        c.observe_load("r0", load(0, 500), float(t))
+    c.probe_sent("r0", 30.0)
+    for t in range(31, 41):
+        c.observe_load("r0", load(0, 500), float(t))
+    assert c.stalled("r0", 40.0) and c.replicas["r0"].stalls == 1
+    c.probe_ended("r0", False)  # its probe timed out: still hung
+    for t in range(41, 60):
+        c.observe_load("r0", load(0, 500), float(t))
+        assert c.stalled("r0", float(t))  # past its stall's time (50 s) too: out until told
+        assert c.probe_due("r0", float(t)) == (t >= 50)
+    c.probe_sent("r0", 59.0)  # the probe at the stall's end: hung still, a second stall
+    for t in range(60, 70):
+        c.observe_load("r0", load(0, 500), float(t))
+    assert c.replicas["r0"].stalls == 2 and c.stalled("r0", 69.0)
+    c.probe_ended("r0", True)  # answered: the engine moves again, back at once
+    assert not c.stalled("r0", 69.0) and c.replicas["r0"].stalls == 0
+    c.observe_load("r0", load(0, 502), 70.0)
+    assert not c.stalled("r0", 70.0) and not c.probe_due("r0", 99.0) and c.probe_due("r0", 100.0)
+
+
+def test_a_probe_that_tells_nothing_leaves_the_half_open_breaker_and_probes_stay_one_a_period():
+    c = _probing_core()
+    for t in range(0, 31):
+        c.observe_load("r0", load(0, 500), float(t))
+    c.probe_sent("r0", 30.0)
+    for t in range(31, 41):
+        c.observe_load("r0", load(0, 500), float(t))
+    assert c.stalled("r0", 40.0)
+    c.probe_ended("r0", None)  # refused, or no connection: nothing known of the engine
+    assert c.stalled("r0", 49.9) and not c.stalled("r0", 50.0)  # the stall ends at its time
+    # a server whose counters never move (answered probes, no token counted): one probe a period
+    c2 = _probing_core()
+    sent = []
+    for t in range(0, 200):
+        c2.observe_load("r0", load(0, 500), float(t))
+        if c2.probe_due("r0", float(t)):
+            c2.probe_sent("r0", float(t))
+            sent.append(t)
+            c2.probe_ended("r0", True)
+    assert sent == [30, 60, 90, 120, 150, 180], sent
