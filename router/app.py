@@ -115,23 +115,25 @@ async def _http_session(app: web.Application) -> AsyncIterator[None]:
 def _restart_hung(app: web.Application, core, now: float, said: dict[str, int]) -> None:
     """Ask the replica set's supervisor to restart each replica whose engine stalled
     ``policy.stall_restart_after`` times in a row (``DecisionCore.restart_due``); said once per
-    restart begun. Replicas the set did not launch (``replicas.urls``), or any with supervision
-    off, stay on probation, as ``DecisionCore.stalled`` has them: said once per stall count
-    (``said``: replica -> the count last said), so their operator knows to restart them."""
+    restart begun. Replicas the set did not launch (``replicas.urls``) stay out, as
+    ``DecisionCore.stalled`` has them: said once per stall count (``said``: replica -> the count
+    last said), so their operator knows to restart them."""
     replica_set = app.get(fleet.FLEET)
     for rid in list(core.replicas):
         if not core.restart_due(rid, now):
             continue
         stalls = core.replicas[rid].stalls
-        if replica_set is not None and replica_set.engine_stalled(
-                rid, f"its engine stalled {stalls} times in a row (no token finished "
-                     f"for policy.stall_timeout_s={core.cfg.stall_timeout_s:g} s while it held work)"):
-            log.warning("replica %s: its engine stalled %d times in a row: restarting it", rid, stalls)
+        if replica_set is not None and replica_set.launched(rid):
+            # False: a restart is under way already (the supervisor's events say so), or supervision is off
+            if replica_set.engine_stalled(rid, f"its engine stalled {stalls} times in a row (no token finished "
+                                               f"for policy.stall_timeout_s={core.cfg.stall_timeout_s:g} s while "
+                                               "it held work)"):
+                log.warning("replica %s: its engine stalled %d times in a row: restarting it", rid, stalls)
         elif said.get(rid) != stalls:
             said[rid] = stalls
             log.warning("replica %s: its engine stalled %d times in a row, but this router cannot restart it "
-                        "(not launched by it: replicas.urls, or supervision off): it stays on probation; "
-                        "restart its server", rid, stalls)
+                        "(not launched by it: replicas.urls): it stays out, probed at each stall's end; restart "
+                        "its server", rid, stalls)
 
 
 async def _stop_polling(busy_poll: BusyPoll) -> None:
@@ -190,6 +192,9 @@ async def _scrape_loop(app: web.Application, interval_s: float, rounds: ScrapeRo
         try:
             _restart_hung(app, core, started, said_hung)
             probes.start_due(http, pool, core, metrics, started, probe_timeout_s)
+            updater = app.get(keys.WEIGHT_UPDATER)
+            if updater is not None:
+                updater.catch_up_recovered(time.monotonic())
             app[keys.LIFECYCLE].pump()
             metrics.publish_replicas(core, pool)
             metrics.publish_state({**core.state_sizes(), **app[keys.LIFECYCLE].state_sizes()})

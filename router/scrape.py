@@ -87,8 +87,7 @@ async def probe_engine(http: aiohttp.ClientSession, state: ReplicaState, metrics
         outcome, why = "timeout", f"no answer within {timeout_s:g} s"
     except (aiohttp.ClientError, OSError, ValueError) as exc:
         outcome, why = "failed", repr(exc)
-    if metrics.live(endpoint.replica_id):
-        metrics.probes.labels(endpoint.replica_id, outcome).inc()
+    metrics.probes.labels(endpoint.replica_id, outcome).inc()  # a counter: counted even mid-restart (as stalls)
     if outcome != "ok" and f"{endpoint.replica_id}:{outcome}" not in seen:
         seen.add(f"{endpoint.replica_id}:{outcome}")
         log.warning("replica %s: the probe of its idle engine (a one-token completion) got %s (logged once per "

@@ -99,6 +99,9 @@ class Steps:
         Only its own: another router's update tells it the version, not the folder."""
         if initial_path is not None and self.core.versions.initial is not None:
             self.folders[self.core.versions.initial] = initial_path
+        self.missed: set[ReplicaId] = set()
+        """Replicas an update passed by because their engine was stalled (:meth:`hold`): brought to
+        the fleet's version once they move again (``WeightUpdater.catch_up_recovered``)."""
 
     def folder_of(self, rid: ReplicaId) -> str | None:
         """The folder of the weights ``rid`` serves now (what a failed load restores), if this
@@ -118,7 +121,18 @@ class Steps:
         return True if shared is None else bool(await shared.publish_versions(self.core, recomputed))
 
     async def hold(self, rid: ReplicaId, rec: ReplicaUpdate) -> bool:
-        """Out of rotation; False (and back in) when the others could not be told."""
+        """Out of rotation; False (and back in) when the others could not be told. False, and
+        not held, when its engine is stalled (``DecisionCore.stalled``): its pause would wait on
+        the hang (up to the pause's timeout) while an update's hold turns the stall rule, the
+        probes and the restart off; left to them, it is brought to the fleet's version once it
+        moves again (:attr:`missed`)."""
+        if self.core.stalled(rid, time.monotonic()):
+            rec.phase, rec.weight_version = "failed", self.core.versions.loaded.get(rid)
+            rec.note(f"not updated: its engine is stalled ({self.core.replicas[rid].stalls} stall(s) in a row, no "
+                     "token finished); it stays out by the stall rule (probed; a launched replica is restarted "
+                     "after policy.stall_restart_after stalls) and is brought to the fleet's version once it moves")
+            self.missed.add(rid)
+            return False
         self.core.set_rotation(rid, "updating")
         self.life.rotation_changed()
         rec.in_rotation, rec.weight_version = False, self.core.versions.loaded.get(rid)

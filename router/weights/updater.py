@@ -92,20 +92,34 @@ class WeightUpdater:
         upd.task = self._spawn(self._finish(upd, lambda rid, rec: self.steps.release(rid, rec, restore), "aborted"))
         return await self._join(upd.task)
 
-    def rejoined(self, rid: ReplicaId) -> None:
+    def rejoined(self, rid: ReplicaId, why: str = "after its (re)start") -> None:
         """``rid`` was launched, or restarted, from the replicas' model: it serves the initial
         version (``DecisionCore.restarted`` records it so; a restart after an update used to keep
         the version it had, so its answers named weights it no longer served). While the fleet
         serves a later version, it stays out of rotation and is brought to that version in the
-        background (:meth:`catch_up`)."""
+        background (:meth:`catch_up`). ``why``: how it came to serve an older version, for the
+        rotation reason (also :meth:`catch_up_recovered`)."""
+        self.steps.missed.discard(rid)
         versions = self.core.versions
         if rid in self.core.replicas and versions.loaded.get(rid) != versions.current:
-            reason = (f"catching up: serves version {versions.loaded.get(rid)} after its (re)start, "
+            reason = (f"catching up: serves version {versions.loaded.get(rid)} {why}, "
                       f"the fleet serves {versions.current}")
             self.core.set_rotation(rid, reason)
             self.life.rotation_changed()
             self._spawn(self.steps.publish())  # the other routers hold it out too
             self._spawn(self.catch_up(rid, reason))
+
+    def catch_up_recovered(self, now: float) -> None:
+        """Replicas an update passed by while their engine was stalled (``Steps.missed``) that
+        are back in service at ``now`` (a token moved, or a probe was answered): brought to the
+        fleet's version as a restarted one is (:meth:`rejoined`), before they take work again
+        (the scrape loop asks each round). Never raises."""
+        for rid in list(self.steps.missed):
+            rec = self.core.replicas.get(rid)
+            if rec is None:
+                self.steps.missed.discard(rid)
+            elif rec.healthy and not self.core.stalled(rid, now) and rid not in self.core.versions.rotation:
+                self.rejoined(rid, "since an update passed it by while its engine was stalled")
 
     async def catch_up(self, rid: ReplicaId, reason: str) -> None:
         """Bring ``rid`` to the fleet's current version: a one-replica folder update (hold,
@@ -126,7 +140,7 @@ class WeightUpdater:
                 continue
             path = self.folders.get(current)
             if path is None:
-                return self._leave_out(rid, f"serves version {versions.loaded.get(rid)} after its (re)start; version "
+                return self._leave_out(rid, f"serves version {versions.loaded.get(rid)}, not the fleet's; version "
                                             f"{current} was pushed without a folder, or by another router: the next "
                                             "update brings it along")
             log.info("replica %s serves version %s after its (re)start: loading version %s from %s",

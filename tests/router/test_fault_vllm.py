@@ -47,6 +47,7 @@ TOKEN = "fault-admin-token"
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}
 LOAD = MixedWorkload(sessions=3, session_turns=6, reply_tokens=48, groups=1, group_size=4, scorers=1)
 BACK_WITHIN_S = 240.0
+OUTCOMES = ("ok", "failed", "timeout", "refused")
 
 
 @dataclass
@@ -200,11 +201,10 @@ async def test_an_engine_hung_behind_its_live_api_server_is_noticed_and_its_turn
 
 async def test_an_engine_that_stays_hung_is_restarted_by_its_supervisor(fleet):
     # an engine hung for good behind its live API server: a pinned turn sent there stalls (run
-    # elsewhere), the replica is out for the timeout, then back, idle; no client sends it work,
-    # but its engine finished no token for policy.stall_probe_after_s, so the router probes it
-    # (a one-token completion): the probe stalls too, and at policy.stall_restart_after stalls in
-    # a row the router asks the replica set's supervisor, which restarts it at a new URL (its
-    # /health never failed).
+    # elsewhere), the replica is out for the timeout; then, instead of a client's request, the
+    # router's probe (a one-token completion) tells whether it still hangs: the probe stalls too,
+    # and at policy.stall_restart_after stalls in a row the router asks the replica set's
+    # supervisor, which restarts it at a new URL (its /health never failed).
     # The fleet serves version 1 (the seed-1 checkpoint) by then: the restart starts from the
     # model (seed 0), so the router loads version 1 into it before it takes work (a fresh
     # attacker saw a restarted replica serve seed 0 while its answers named version 1)
@@ -213,8 +213,11 @@ async def test_an_engine_that_stays_hung_is_restarted_by_its_supervisor(fleet):
     async with fleet.http.post(fleet.url + "/admin/weights", json=update, headers=ADMIN) as r:
         assert r.status == 200, await r.text()
     saved = core.cfg
-    core.cfg = dataclasses.replace(saved, stall_timeout_s=2.0, stall_restart_after=2, stall_probe_after_s=1.0)
+    # probes on (the default), idle ones rare: the victim is probed at its first stall's end
+    core.cfg = dataclasses.replace(saved, stall_timeout_s=2.0, stall_restart_after=2, stall_probe_after_s=60.0)
     probes = fleet.app[keys.METRICS].probes
+    probed_before = {(e.replica_id, o): probes.labels(e.replica_id, o)._value.get()
+                     for e in fleet.rs.endpoints for o in OUTCOMES}
     cached = [(41 * i + 13) % 500 + 5 for i in range(160)]  # a prefix only the victim holds
     try:
         async with fleet.http.post(fleet.url + "/v1/completions", json={"prompt": cached, "max_tokens": 2},
@@ -228,7 +231,7 @@ async def test_an_engine_that_stays_hung_is_restarted_by_its_supervisor(fleet):
             async with fleet.http.post(fleet.url + "/v1/completions", json=turn,
                                        headers={"X-Session-Id": "hung-engine-2"}) as r:  # pinned there: stall 1
                 assert r.status == 200 and r.headers["X-Rollout-Replica"] != victim, await r.text()
-            # back after its first stall, then probed (no client request): stall 2
+            # at its first stall's end it is probed, not given work (no client request): stall 2
             await _until(lambda: core.replicas[victim].stalls == 2, 60, f"{victim} stalled on the probe")
             urls = lambda: {e.replica_id: e.base_url for e in fleet.rs.endpoints}  # noqa: E731
             await _until(lambda: urls().get(victim, old_url) != old_url and victim in core.replicas
@@ -238,8 +241,9 @@ async def test_an_engine_that_stays_hung_is_restarted_by_its_supervisor(fleet):
         core.cfg = saved
     restarts = [e for t, e in fleet.events if t > since and e.kind == "restarting" and e.replica_id == victim]
     assert len(restarts) == 1 and "stalled 2 times in a row" in restarts[0].reason, restarts
-    other = next(e.replica_id for e in fleet.rs.endpoints if e.replica_id != victim)
-    assert probes.labels(other, "ok")._value.get() >= 1  # the healthy idle engine answered its probes
+    # the probe hung there until the restart took its server down
+    outcomes = {o: probes.labels(victim, o)._value.get() - probed_before[victim, o] for o in OUTCOMES}
+    assert outcomes == {"ok": 0, "failed": 1, "timeout": 0, "refused": 0}, outcomes
     assert core.versions.loaded == {"replica-0": 1, "replica-1": 1}, core.versions.loaded
     # both replicas serve the same weights: the same greedy tokens, asked of each directly
     greedy = {"model": CFG.served_model_name, "prompt": cached, "max_tokens": 12, "temperature": 0,

@@ -12,6 +12,8 @@ real one is in ``tests/router/test_fault_vllm.py``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import time
 import json
 
 import aiohttp
@@ -104,3 +106,30 @@ async def test_a_restart_after_a_pushed_update_stays_out_until_the_next_update_t
 
 async def _true(value: bool) -> bool:
     return value
+
+
+async def test_an_update_passes_a_stalled_engine_by_and_brings_it_along_once_it_moves_again():
+    # a fresh attacker: an update held a replica whose engine the router knew was stalled and
+    # waited on its /pause (600 s), while the hold turned the stall rule, the probes and the
+    # restart off; now it is passed by at once, left to the stall rule, and caught up once it moves
+    fakes = [FakeVllm(), FakeVllm()]
+    async with serving(fakes[0]) as u0, serving(fakes[1]) as u1, router([u0, u1], scrape_interval_s=0.1) as (url, app, _rs):
+        core = app[keys.CORE]
+        core.cfg = dataclasses.replace(core.cfg, stall_timeout_s=0.5, stall_probe_after_s=0.3, stall_restart_after=0)
+        fakes[0].stall()  # hung while idle: the probe finds it
+        await until(lambda: _true(core.stalled("replica-0", time.monotonic())), 15, "replica-0 stalled on its probe")
+        t0 = time.monotonic()
+        status, report = await post(url, "/admin/weights", {"version": 1, "weights_path": "ckpt-1", "policy": "salt"})
+        took = time.monotonic() - t0
+        rows = {r["replica"]: r for r in report["replicas"]}
+        assert took < 5, took
+        assert rows["replica-0"]["phase"] == "failed" and "stalled" in rows["replica-0"]["error"], report
+        assert rows["replica-1"]["phase"] == "done" and fakes[1].weights == "ckpt-1", report
+        assert fakes[0].pauses == [] and core.versions.loaded["replica-0"] == 0  # never touched
+        assert core.stalled("replica-0", time.monotonic()) and "replica-0" not in core.versions.rotation
+        fakes[0].resume()  # the probe is answered: back, and brought to version 1 before it takes work
+        await until(lambda: _true(core.versions.loaded["replica-0"] == 1 and "replica-0" not in core.versions.rotation),
+                    15, "replica-0 caught up to version 1")
+        assert fakes[0].loads[-1] == "ckpt-1"
+        texts, claimed = await tokens_from(url, "replica-0")
+        assert texts == [" wckpt-1"] * 2 and claimed == 1
