@@ -190,6 +190,9 @@ class ReplicaControl:
         self.http, self.base_url = http, base_url.rstrip("/")
         self.pause_refused = False
         """The last :meth:`pause` was answered 4xx: the engine was not paused (nothing to resume)."""
+        self.pause_unanswered = False
+        """The last :meth:`pause` got no answer within its timeout (the server took it and said
+        nothing: a hung engine, as a pause of an idle engine answers at once)."""
 
     async def pause(self, mode: PauseMode, timeout_s: float = DEFAULT_PAUSE_TIMEOUT_S) -> str | None:
         """``/pause?mode=...&clear_cache=false`` (the cache is reset only on purpose, confirmed).
@@ -198,6 +201,7 @@ class ReplicaControl:
         params = {"mode": mode, "clear_cache": "false"}
         answer = await call(self.http, "POST", f"{self.base_url}/pause", params=params, timeout_s=timeout_s)
         self.pause_refused = 400 <= answer.status < 500
+        self.pause_unanswered = answer.timed_out
         if answer.ok:
             return None
         hint = (" (the server has no /pause: start vLLM with VLLM_SERVER_DEV_MODE=1 for weight updates)"

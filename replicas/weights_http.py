@@ -29,6 +29,9 @@ class Answer:
     """HTTP status, or 0 when the call failed before an answer (connection error, timeout)."""
     body: Any
     """Parsed JSON, or the raw text when the body is not JSON, or the transport error text."""
+    timed_out: bool = False
+    """No answer within the call's timeout (the server took the request and said nothing: a hung
+    engine behind a live API server, or a slow one), as opposed to a connection that failed."""
 
     @property
     def ok(self) -> bool:
@@ -62,7 +65,7 @@ async def call(
         ) as resp:
             return Answer(resp.status, _parse(await resp.text()))
     except asyncio.TimeoutError:
-        return Answer(0, f"no answer from {method} {url} within {timeout_s} s")
+        return Answer(0, f"no answer from {method} {url} within {timeout_s} s", timed_out=True)
     except aiohttp.ClientError as err:
         return Answer(0, f"{method} {url} failed: {type(err).__name__}: {err}")
 

@@ -101,7 +101,8 @@ async def _http_session(app: web.Application) -> AsyncIterator[None]:
         app[keys.HTTP] = http
         app[keys.LIFECYCLE] = Lifecycle(cfg.router, app[keys.CORE], app[keys.POOL], app[keys.METRICS], http,
                                         shared=state, upstream=upstream)
-        app[keys.WEIGHT_UPDATER] = admin.make_updater(cfg, app[keys.LIFECYCLE])
+        app[keys.WEIGHT_UPDATER] = updater = admin.make_updater(cfg, app[keys.LIFECYCLE])
+        updater.restart_engine = getattr(app.get(fleet.FLEET), "engine_stalled", None)
         if SHUTDOWN in app:  # a stopping router answers queued requests 503 + Retry-After at once
             app[SHUTDOWN].on_drain.append(app[keys.LIFECYCLE].refuse_queued)
         try:

@@ -58,6 +58,9 @@ class ReplicaUpdate:
     """Non-streamed attempts taken back and run again (nothing had reached their clients)."""
     kept_streams: int = 0
     """Streams frozen across the update (keep) or ended by it (abort)."""
+    engine_hung: bool = False
+    """Its pause got no answer (:data:`SETTLED_PAUSE_TIMEOUT_S`): the engine hangs; a replica this
+    router launched is restarted (``WeightUpdater.restart_engine``) and then caught up."""
     unconfirmed_routers: list[str] = field(default_factory=list)
     """Other routers that had not confirmed the new version when the engine resumed (within
     ``router.state.redis_state.MARK_TIMEOUT_S``; ``"redis"``: it could not be asked)."""
@@ -87,6 +90,12 @@ class ReplicaUpdate:
             "done", "released", "failed", "skipped") else round(self.seconds, 3)
         out["paused_s"] = round(self.paused_s, 3)
         return out
+
+
+SETTLED_PAUSE_TIMEOUT_S = 60.0
+"""How long the pause of a settled replica may take (``Steps.settle``): nothing runs there but
+streams the engine decodes (``keep`` freezes them, ``abort`` ends them), so an engine that does not
+answer by then hangs (``ReplicaUpdate.engine_hung``)."""
 
 
 class Steps:
@@ -163,9 +172,12 @@ class Steps:
         streams = [f for f in self.life.flights.get(rid, {}).values() if f.streaming and f.preempted is None]
         rec.kept_streams, rec.pause_mode = len(streams), pause_mode
         rec.paused_at = time.monotonic()  # from here on, release() resumes: a failed pause may have paused
-        if not rec.note(await ctl.pause(pause_mode)):  # type: ignore[arg-type]
+        # drained (wait), or left only streams the engine decodes (keep, abort): the pause is quick
+        # unless the engine hangs, which a pause must not wait out for the longest request's time
+        if not rec.note(await ctl.pause(pause_mode, SETTLED_PAUSE_TIMEOUT_S)):  # type: ignore[arg-type]
             if ctl.pause_refused:  # answered 4xx (a server without dev mode): never paused, nothing to resume
                 rec.paused_at = None
+            rec.engine_hung = ctl.pause_unanswered
             return False
         rec.paused_after_s = round(time.monotonic() - rec.started, 3)
         if transfer and not rec.note(await ctl.start_transfer()):
@@ -247,6 +259,8 @@ class Steps:
         if rec.weights == "undefined":
             self.core.version_loaded(rid, None)
             rec.note("replica left paused: resuming with undefined weights would crash its engine")
+        elif rec.engine_hung:  # a resume would wait on the hang as the pause did (3 x 30 s)
+            rec.note("not resumed: its engine hangs (it may hold the pause when it wakes; the next update resumes it)")
         elif rec.paused_at is None or rec.note(await ctl.resume()):
             if rec.paused_at is not None:
                 rec.paused_s = time.monotonic() - rec.paused_at

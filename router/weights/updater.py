@@ -15,13 +15,13 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import Any, Awaitable
+from typing import Any, Awaitable, Callable
 
 from cache_policy.types import ReplicaId
 from router.errors import NoReplica
 from router.lifecycle import Lifecycle
 from router.weights.requests import UpdateRequest
-from router.weights.steps import ReplicaUpdate, Steps
+from router.weights.steps import SETTLED_PAUSE_TIMEOUT_S, ReplicaUpdate, Steps
 from router.weights.update import LOCK_TTL_S, Update, UpdateInProgress
 
 log = logging.getLogger(__name__)
@@ -47,6 +47,11 @@ class WeightUpdater:
         self.last: Update | None = None
         self._tasks: set[asyncio.Task] = set()
         self._owner: str | None = None
+        self.restart_engine: Callable[[ReplicaId, str], bool] | None = None
+        """Restart a replica this router launched whose engine hangs (``ReplicaSet.engine_stalled``:
+        True when a restart began); None without a replica set. Asked when an update's pause got
+        no answer (``ReplicaUpdate.engine_hung``): the replica would otherwise stay out, failed,
+        with no stall rule or probe to find it (a fresh attacker's update waited 600 s on one)."""
 
     # -- the calls ------------------------------------------------------------------------------
 
@@ -223,7 +228,8 @@ class WeightUpdater:
             if rec.phase == "failed":
                 return
             if not await self.steps.settle(rid, rec, req.pause_mode, req.drain_timeout_s):
-                return await self.steps.release(rid, rec, restore=False)
+                await self.steps.release(rid, rec, restore=False)
+                return self._restart_hung(rid, rec)
             if await self.steps.load(rid, rec, req.weights_path or ""):
                 await self.steps.commit(rid, rec, req.version, req.policy, req.preempt_running,
                                         new_path=req.weights_path)
@@ -231,6 +237,15 @@ class WeightUpdater:
                 await self.steps.release(rid, rec, restore=False)  # previous (restored) or undefined
         except Exception as exc:  # noqa: BLE001 - a bug must not leave the replica paused or out
             await self._rescue(rid, rec, exc)
+
+    def _restart_hung(self, rid: ReplicaId, rec: ReplicaUpdate) -> None:
+        """``rid``'s pause got no answer: restart it when this router launched it (the restart
+        brings it back on the model, then :meth:`rejoined` catches it up); else it stays out,
+        failed, until the next update or its operator."""
+        if rec.engine_hung and self.restart_engine is not None and self.restart_engine(
+                rid, f"its engine did not answer a weight update's pause within {SETTLED_PAUSE_TIMEOUT_S:g} s (hung)"):
+            rec.note("restarting it (launched by this router); it is brought to the fleet's version after")
+            log.warning("replica %s: its engine did not answer the update's pause: restarting it", rid)
 
     async def _hold(self, rid: ReplicaId, upd: Update) -> bool:
         return await self.steps.hold(rid, upd.replicas[rid])

@@ -85,10 +85,12 @@ class FakeVllm:
         self._running.set()
         self._engine.set()
 
-    def stall(self) -> None:
+    def stall(self, control: bool = False) -> None:
         """Completions from now on wait (none answered, none counted) until :meth:`resume`;
-        ``/health`` and ``/metrics`` still answer."""
+        ``/health`` and ``/metrics`` still answer. ``control``: ``/pause``, ``/resume`` and
+        ``/collective_rpc`` wait too (a hung engine core: vLLM's API server forwards them to it)."""
         self._engine.clear()
+        self._control_hangs = control
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -102,7 +104,13 @@ class FakeVllm:
             app.router.add_post("/collective_rpc", self._collective_rpc)
         return app
 
+    async def _engine_call(self) -> None:
+        """A call the engine core answers: it waits while a :meth:`stall` holds the control calls."""
+        if getattr(self, "_control_hangs", False):
+            await self._engine.wait()
+
     async def _pause(self, request: web.Request) -> web.Response:
+        await self._engine_call()
         mode = request.query.get("mode", "abort")
         self.pauses.append(mode)
         self._unpaused.clear()
@@ -112,10 +120,12 @@ class FakeVllm:
         return web.json_response({})
 
     async def _resume(self, _: web.Request) -> web.Response:
+        await self._engine_call()
         self._unpaused.set()
         return web.json_response({})
 
     async def _collective_rpc(self, request: web.Request) -> web.Response:
+        await self._engine_call()
         body = await request.json()
         if body.get("method") == "reload_weights":
             path = str(body["kwargs"]["weights_path"])

@@ -133,3 +133,27 @@ async def test_an_update_passes_a_stalled_engine_by_and_brings_it_along_once_it_
         assert fakes[0].loads[-1] == "ckpt-1"
         texts, claimed = await tokens_from(url, "replica-0")
         assert texts == [" wckpt-1"] * 2 and claimed == 1
+
+
+async def test_an_engine_that_hangs_at_the_update_fails_its_pause_fast_and_is_restarted(monkeypatch):
+    # hung just before the update (not yet found stalled): its pause got no answer for 600 s,
+    # then 3 resumes of 30 s each, then it stayed out failed, where no stall rule or probe looks
+    # (a fresh attacker); now the pause is bounded, no resume waits on the hang, and a replica
+    # this router launched is restarted (then caught up, as the test above shows)
+    from router.weights import steps
+    monkeypatch.setattr(steps, "SETTLED_PAUSE_TIMEOUT_S", 0.5)
+    fakes = [FakeVllm(), FakeVllm()]
+    async with serving(fakes[0]) as u0, serving(fakes[1]) as u1, router([u0, u1]) as (url, app, _rs):
+        asked = []
+        app[keys.WEIGHT_UPDATER].restart_engine = lambda rid, why: asked.append((rid, why)) or True
+        fakes[0].stall(control=True)
+        t0 = time.monotonic()
+        status, report = await post(url, "/admin/weights", {"version": 1, "weights_path": "ckpt-1", "policy": "salt"})
+        took = time.monotonic() - t0
+        rows = {r["replica"]: r for r in report["replicas"]}
+        assert took < 5, took
+        assert rows["replica-0"]["phase"] == "failed" and rows["replica-0"]["engine_hung"], report
+        assert "no answer" in rows["replica-0"]["error"] and "not resumed" in rows["replica-0"]["error"], report
+        assert rows["replica-1"]["phase"] == "done" and fakes[1].weights == "ckpt-1", report
+        assert [rid for rid, _ in asked] == ["replica-0"] and "did not answer" in asked[0][1]
+        fakes[0].resume()
