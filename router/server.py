@@ -150,7 +150,9 @@ async def _bounded_cleanup(runner: web.AppRunner) -> None:
     if done:
         cleanup.result()
         return
-    pending = [t.get_name() for t in asyncio.all_tasks() if t.cancelling() and not t.done()]
+    here = asyncio.current_task()
+    pending = sorted({getattr(t.get_coro(), "__qualname__", t.get_name())  # what runs, not "Task-123"
+                      for t in asyncio.all_tasks() if not t.done() and t is not here and t is not cleanup})
     log.error("router cleanup still running after %g s (stuck tasks: %s); going on", CLEANUP_TIMEOUT_S, pending)
 
 

@@ -77,3 +77,25 @@ async def test_drain_gives_up_after_the_grace_period():
             task.cancel()
     finally:
         await runner.cleanup()
+
+
+async def test_a_stuck_cleanup_names_what_still_runs(monkeypatch, caplog):
+    # a fresh attacker's update stuck on a hung engine: the shutdown said "stuck tasks: []"
+    from router import server
+
+    monkeypatch.setattr(server, "CLEANUP_TIMEOUT_S", 0.2)
+
+    async def hung_weight_update() -> None:
+        await asyncio.sleep(30)
+
+    class Runner:
+        async def cleanup(self) -> None:
+            await task  # the app's cleanup waits on the update
+
+    task = asyncio.get_running_loop().create_task(hung_weight_update())
+    try:
+        with caplog.at_level("ERROR", logger="router.server"):
+            await server._bounded_cleanup(Runner())
+    finally:
+        task.cancel()
+    assert "hung_weight_update" in caplog.text, caplog.text
