@@ -194,6 +194,15 @@ def metric(page: str, name: str) -> float:
     return next(float(line.split()[-1]) for line in page.splitlines() if line.startswith(name + " "))
 
 
+def stall_config(tmp_path: Path, urls: list[str], **policy: float) -> Path:
+    """A router config over ``urls`` scraping every 0.2 s with the stall rule's ``policy`` settings."""
+    config = tmp_path / "router.yaml"
+    settings = "".join(f"  {k}: {v}\n" for k, v in policy.items())
+    config.write_text(f"router:\n  port: 0\n  scrape_interval_s: 0.2\npolicy:\n{settings}"
+                      f"replicas:\n  urls: [{', '.join(urls)}]\n")
+    return config
+
+
 async def test_a_stalled_engine_is_taken_out_and_its_request_answered_by_another_replica(tmp_path, no_vllm_env):
     # a hung engine behind an API server that still answers /health and /metrics (vLLM's health
     # check reports only a dead engine): the scrapes show it holding a request and finishing no
@@ -201,9 +210,7 @@ async def test_a_stalled_engine_is_taken_out_and_its_request_answered_by_another
     # runs on the other replica; once its counters move again it is back
     fakes = [FakeVllm(block_size=16), FakeVllm(block_size=16)]
     async with serving(fakes[0]) as url0, serving(fakes[1]) as url1:
-        config = tmp_path / "router.yaml"
-        config.write_text(f"router:\n  port: 0\n  scrape_interval_s: 0.2\npolicy:\n  stall_timeout_s: 1.5\n  stall_restart_after: 1\n"
-                          f"replicas:\n  urls: [{url0}, {url1}]\n")
+        config = stall_config(tmp_path, [url0, url1], stall_timeout_s=1.5, stall_restart_after=1)
         proc, url = await start(config, no_vllm_env)
         body, headers = {"prompt": PROMPT, "max_tokens": 1}, {"X-Session-Id": "agent-1"}
         try:
@@ -254,9 +261,7 @@ async def test_an_engine_hung_while_idle_is_found_by_a_probe_before_any_client_r
     # out policy.stall_timeout_s; the router's probe is that request, so no client waits
     fakes = [FakeVllm(block_size=16), FakeVllm(block_size=16)]
     async with serving(fakes[0]) as url0, serving(fakes[1]) as url1:
-        config = tmp_path / "router.yaml"
-        config.write_text(f"router:\n  port: 0\n  scrape_interval_s: 0.2\npolicy:\n  stall_timeout_s: 1.5\n"
-                          f"  stall_probe_after_s: 1\nreplicas:\n  urls: [{url0}, {url1}]\n")
+        config = stall_config(tmp_path, [url0, url1], stall_timeout_s=1.5, stall_probe_after_s=1)
         fakes[0].stall()  # hung from the start: it never answers a completion
         proc, url = await start(config, no_vllm_env)
         try:
