@@ -23,8 +23,9 @@ The version contract (DESIGN rule 6, README "Version contract"): a request whose
 version s is *strict* (``SaltChoice.pins_version``) unless it is a keep+salt session or group
 continuing from an older start (also when tagged with that start). A strict request runs only
 on a replica serving s; when no eligible replica does, the core re-salts it for a version one
-serves (:meth:`VersionBook.choice_for`), so its tokens are computed by the weights whose KV it reuses. Versions only grow on a replica,
-so the namespace of s on a replica serving s holds KV computed by s alone. Scoring is strict under
+serves (:meth:`VersionBook.choice_for`), so its tokens are computed by the weights whose KV it
+reuses. Versions only grow on a replica, so the namespace of s on a replica serving s holds KV
+computed by s alone. Scoring is strict under
 every policy: it is salted by its own version even under ``keep`` (never under ``flush``, whose
 caches are emptied at every update) and never inherits a session's start salt.
 

@@ -229,7 +229,7 @@ class WeightUpdater:
                 return
             if not await self.steps.settle(rid, rec, req.pause_mode, req.drain_timeout_s):
                 await self.steps.release(rid, rec, restore=False)
-                return self._restart_hung(rid, rec)
+                return self._restart_if_hung(rid, rec)
             if await self.steps.load(rid, rec, req.weights_path or ""):
                 await self.steps.commit(rid, rec, req.version, req.policy, req.preempt_running,
                                         new_path=req.weights_path)
@@ -238,7 +238,7 @@ class WeightUpdater:
         except Exception as exc:  # noqa: BLE001 - a bug must not leave the replica paused or out
             await self._rescue(rid, rec, exc)
 
-    def _restart_hung(self, rid: ReplicaId, rec: ReplicaUpdate) -> None:
+    def _restart_if_hung(self, rid: ReplicaId, rec: ReplicaUpdate) -> None:
         """``rid``'s pause got no answer: restart it when this router launched it (the restart
         brings it back on the model, then :meth:`rejoined` catches it up); else it stays out,
         failed, until the next update or its operator."""
