@@ -40,26 +40,36 @@ async def relay_events(resp: web.StreamResponse, up: aiohttp.ClientResponse, wat
     writing to the client did, or what ``begin`` did; ``resp.prepared`` tells whether anything
     had gone to the client."""
     queue: asyncio.Queue = asyncio.Queue()
-    reader = asyncio.ensure_future(_read(up, watch, queue, tail_bytes))
+    tail = [b""]
+    reader = asyncio.ensure_future(_read(up, watch, queue, tail_bytes, tail))
     writer = _Writer(resp, watch, begin)
     try:
         while (item := await queue.get()) is not None:
             if isinstance(item, BaseException):
                 raise item
             await writer.event(*item)
+            if item[0].strip() == _DONE:  # the client has the whole answer: its SDK may close at once,
+                break  # before the replica ends its response (then waiting for that end was a "499")
         await writer.flush()
-        return reader.result() if reader.done() else await reader
+        return tail[0]
     finally:
         if not reader.done():
             reader.cancel()
             await asyncio.gather(reader, return_exceptions=True)
 
 
-async def _read(up: aiohttp.ClientResponse, watch: Any, queue: asyncio.Queue, tail_bytes: int) -> bytes:
-    tail = buf = b""
+_DONE = b"data: [DONE]"
+"""The stream's last event (OpenAI's protocol; vLLM sends it last)."""
+
+
+async def _read(up: aiohttp.ClientResponse, watch: Any, queue: asyncio.Queue, tail_bytes: int,
+                tail: list[bytes]) -> None:
+    """Queue ``up``'s events, then None at its end (or the error reading it raised); ``tail[0]``:
+    the last ``tail_bytes`` bytes read so far."""
+    buf = b""
     try:
         async for chunk in up.content.iter_any():
-            tail = (tail + chunk)[-tail_bytes:]
+            tail[0] = (tail[0] + chunk)[-tail_bytes:]
             buf += chunk
             while b"\n\n" in buf:
                 raw, buf = buf.split(b"\n\n", 1)
@@ -72,7 +82,6 @@ async def _read(up: aiohttp.ClientResponse, watch: Any, queue: asyncio.Queue, ta
         queue.put_nowait(None)
     except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
         queue.put_nowait(exc)
-    return tail
 
 
 class _Writer:

@@ -63,7 +63,7 @@ class FakeVllm:
         self._running.set()
         self._engine = asyncio.Event()
         self._engine.set()
-        self.enter_delay_s = self.token_delay_s = 0.0
+        self.enter_delay_s = self.token_delay_s = self.done_delay_s = 0.0
         self.weights = "0"
         self._unpaused = asyncio.Event()
         self._unpaused.set()
@@ -232,7 +232,9 @@ class FakeVllm:
             del self._streams[key]
         await send(None, usage=usage)
         await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
+        await asyncio.sleep(self.done_delay_s)  # the response's end after [DONE] (vLLM's may lag it)
+        with contextlib.suppress(ConnectionError):  # the router may close once it read [DONE]
+            await resp.write_eof()
         return resp
 
     async def _step(self) -> None:

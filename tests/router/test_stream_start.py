@@ -195,3 +195,25 @@ async def test_a_stream_the_replica_refuses_in_an_error_event_is_a_400_naming_th
                 status, error = r.status, (await r.json())["error"]
     assert len(fake.bodies) == 1  # not tried on the other replica
     assert status == 400 and error["param"] == "logprobs" and "greater than max allowed" in error["message"], error
+
+
+async def test_a_stream_read_to_its_end_by_the_openai_sdk_is_a_200_even_when_the_sdk_closes_at_done():
+    # a fresh new user: 5 of 7 streams the openai SDK read whole were counted 499 ("client left"):
+    # the SDK closes its connection once it reads [DONE], while the router still waited for the
+    # replica to end its response (vLLM's end may lag its [DONE]); the lifecycle saw a cancel too
+    import openai
+
+    fake = FakeVllm()
+    fake.done_delay_s = 0.2
+    async with serving(fake) as u0, router([u0]) as (url, app, _rs):
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        for _ in range(4):
+            chunks = [c async for c in await client.completions.create(
+                model=fake.model, prompt=[5, 6, 7, 8], max_tokens=3, stream=True)]
+            assert "".join(c.choices[0].text for c in chunks if c.choices) == " w0" * 3
+            assert chunks[-1].model_extra["rollout_router"]["weight_version"] == 0  # the annotated last chunk
+        await client.close()
+        await asyncio.sleep(0.3)
+        requests = app[keys.METRICS].requests
+        counted = {s: requests.labels("completions", s)._value.get() for s in ("200", "499")}
+    assert counted == {"200": 4, "499": 0}, counted
