@@ -171,8 +171,9 @@ class RouterMetrics:
                               "KV cache usage (0..1) last scraped from the replica", ["replica"], registry=r)
         self.healthy = Gauge("rollout_router_replica_healthy", "1 if the replica is in rotation", ["replica"],
                              registry=r)
-        self.stalls = Counter("rollout_router_replica_stalls", "Times a replica's engine was found stalled (held "
-                              "requests, finished no token for policy.stall_timeout_s) and marked unhealthy",
+        self.stalls = Counter("rollout_router_replica_stalls", "Stalls of a replica's engine (it held requests, "
+                              "or the router's probe, and finished no token for policy.stall_timeout_s), each "
+                              "one, also those in a row while it is out (/health's stalls: the run now)",
                               ["replica"], registry=r)
         self.probes = Counter("rollout_router_replica_probes", "Probes of idle engines (a one-token completion "
                               "after policy.stall_probe_after_s without a finished token), by outcome: ok, "

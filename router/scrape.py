@@ -49,16 +49,19 @@ async def scrape_once(http: aiohttp.ClientSession, state: ReplicaState, core: De
     else:
         state.metrics = m
         state.scrape_failures = 0
+        rec = core.replicas.get(rid)
+        stalls_before = rec.stalls if rec is not None else 0
         core.observe_load(rid, ReplicaLoad(m.kv_cache_usage, m.num_running, m.num_waiting, m.num_gpu_blocks,
                                            m.num_preemptions, m.prompt_tokens + m.generation_tokens), started_at)
+        if rec is not None and rec.stalls > stalls_before:  # every stall, also those in a row while out
+            metrics.stalls.labels(rid).inc()
         state.silent = core.stalled(rid, started_at)
         if state.silent and healthy:
             state.went_silent = True
-            metrics.stalls.labels(rid).inc()
             log.warning("replica %s: its engine holds work (%d request(s) by its metrics, %d of this router's in "
-                        "flight) but finished no token for %g s or more (stalled): unhealthy, its requests run "
+                        "flight%s) but finished no token for %g s or more (stalled): unhealthy, its requests run "
                         "elsewhere", rid, m.num_running + m.num_waiting, core.admission.ledger.count(rid),
-                        core.cfg.stall_timeout_s)
+                        ", and the router's probe" if rec is not None and rec.probing else "", core.cfg.stall_timeout_s)
         core.set_health(rid, not state.silent)
         if metrics.live(rid):  # (one that left while its scrape was under way has no gauges)
             metrics.kv_usage.labels(rid).set(m.kv_cache_usage)
