@@ -261,6 +261,7 @@ class WeightUpdater:
                     if not await self.steps.settle(rid, rec, req.pause_mode, req.drain_timeout_s,
                                                    transfer=req.transfer == "vllm"):
                         await self.steps.release(rid, rec, restore=False)
+                        self._restart_if_hung(rid, rec)
                 except Exception as exc:  # noqa: BLE001
                     await self._rescue(rid, rec, exc)
             await asyncio.gather(*(settle(rid) for rid in held))

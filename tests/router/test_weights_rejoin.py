@@ -135,7 +135,8 @@ async def test_an_update_passes_a_stalled_engine_by_and_brings_it_along_once_it_
         assert texts == [" wckpt-1"] * 2 and claimed == 1
 
 
-async def test_an_engine_that_hangs_at_the_update_fails_its_pause_fast_and_is_restarted(monkeypatch):
+@pytest.mark.parametrize("form", ["folder", "two-phase"])
+async def test_an_engine_that_hangs_at_the_update_fails_its_pause_fast_and_is_restarted(monkeypatch, form):
     # hung just before the update (not yet found stalled): its pause got no answer for 600 s,
     # then 3 resumes of 30 s each, then it stayed out failed, where no stall rule or probe looks
     # (a fresh attacker); now the pause is bounded, no resume waits on the hang, and a replica
@@ -148,12 +149,20 @@ async def test_an_engine_that_hangs_at_the_update_fails_its_pause_fast_and_is_re
         app[keys.WEIGHT_UPDATER].restart_engine = lambda rid, why: asked.append((rid, why)) or True
         fakes[0].stall(control=True)
         t0 = time.monotonic()
-        status, report = await post(url, "/admin/weights", {"version": 1, "weights_path": "ckpt-1", "policy": "salt"})
+        if form == "folder":
+            status, report = await post(url, "/admin/weights", {"version": 1, "weights_path": "ckpt-1", "policy": "salt"})
+        else:
+            status, report = await post(url, "/admin/weights/begin", {"version": 1, "policy": "salt"})
         took = time.monotonic() - t0
         rows = {r["replica"]: r for r in report["replicas"]}
         assert took < 5, took
         assert rows["replica-0"]["phase"] == "failed" and rows["replica-0"]["engine_hung"], report
         assert "no answer" in rows["replica-0"]["error"] and "not resumed" in rows["replica-0"]["error"], report
-        assert rows["replica-1"]["phase"] == "done" and fakes[1].weights == "ckpt-1", report
+        if form == "folder":
+            assert rows["replica-1"]["phase"] == "done" and fakes[1].weights == "ckpt-1", report
+        else:
+            assert rows["replica-1"]["phase"] == "paused", report  # ready for the trainer's weights
+            _, aborted = await post(url, "/admin/weights/abort", {"version": 1})  # 502: replica-0 failed
+            assert {r["replica"]: r["phase"] for r in aborted["replicas"]}["replica-1"] == "released", aborted
         assert [rid for rid, _ in asked] == ["replica-0"] and "did not answer" in asked[0][1]
         fakes[0].resume()
