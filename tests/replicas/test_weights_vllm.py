@@ -82,9 +82,7 @@ async def test_update_loads_the_new_weights_exactly_and_keeps_the_prefix_cache(h
 
 
 async def test_reset_prefix_cache_true_confirms_and_removes_the_hit(http, base_url):
-    await _load(http, base_url, SEED1)
-    repeated = prompt(3, 100)
-    await _cached(http, base_url, repeated)
+    repeated = await _loaded_and_cached(http, base_url, SEED1, prompt(3, 100))
     assert await _cached(http, base_url, repeated) == 96
 
     result = await update_weights(http, base_url, SEED0, reset_prefix_cache=True)
@@ -109,9 +107,7 @@ async def test_keep_mode_with_a_request_in_flight_never_skips_the_reset_silently
     # may come after the stream is (nearly) done, which proves nothing (one CI run saw it end
     # first): such a run is tried again, at most twice more
     for _ in range(3):
-        await _load(http, base_url, SEED1)
-        repeated = prompt(4, 100)
-        await _cached(http, base_url, repeated)
+        repeated = await _loaded_and_cached(http, base_url, SEED1, prompt(4, 100))
         async with LongStream(http, base_url, max_tokens=3000) as stream:
             await stream.wait_started()
             result = await update_weights(http, base_url, SEED0, pause_mode="keep", reset_prefix_cache=True,
@@ -131,9 +127,7 @@ async def test_keep_mode_with_a_request_in_flight_never_skips_the_reset_silently
 
 
 async def test_keep_mode_with_preempt_running_resets_and_the_request_completes(http, base_url):
-    await _load(http, base_url, SEED0)
-    repeated = prompt(5, 100)
-    await _cached(http, base_url, repeated)
+    repeated = await _loaded_and_cached(http, base_url, SEED0, prompt(5, 100))
     async with LongStream(http, base_url, max_tokens=600) as stream:
         await stream.wait_started()
         result = await update_weights(http, base_url, SEED1, pause_mode="keep", reset_prefix_cache=True,
@@ -254,6 +248,13 @@ def prompt(seed: int, n: int) -> list[int]:
 async def _load(http, base_url: str, path: str) -> None:
     result = await update_weights(http, base_url, path, reset_prefix_cache=True)
     assert result.ok, result
+
+
+async def _loaded_and_cached(http, base_url: str, path: str, tokens: list[int]) -> list[int]:
+    """Load ``path`` (the cache reset), then prefill ``tokens`` once so their blocks are cached."""
+    await _load(http, base_url, path)
+    await _cached(http, base_url, tokens)
+    return tokens
 
 
 async def _complete(http, base_url: str, body: dict) -> dict:
