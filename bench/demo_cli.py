@@ -18,7 +18,7 @@ from router.config import AppConfig, RouterConfig
 def parser() -> argparse.ArgumentParser:
     """The demo's flags: config, replicas, router fields (no host/port/policy: it runs one router
     per policy on free ports), and the two workloads' sizes."""
-    p = argparse.ArgumentParser(prog="bench.demo_cli", description="Run GRPO and agent traffic through the "
+    p = argparse.ArgumentParser(prog="scripts/demo.sh", description="Run GRPO and agent traffic through the "
                                 "router vs round-robin on real vLLM replicas; print and plot prefilled tokens.")
     p.add_argument("--config", default=None, help="YAML config (sections router, replicas, policy)")
     p.add_argument("--num-replicas", type=int, default=None, help="override replicas.num_replicas")
