@@ -191,7 +191,9 @@ class Job:
     failures of the request, so the router bounds them apart from its connection retries."""
     answering: int = 0
     """Once its answer reaches its client (``DecisionCore.answering``; it runs nowhere else
-    then): the engine requests it counts in its replica's ``ReplicaRecord.answering``."""
+    then, and nothing takes it back: ``router.lifecycle.Flight.answering``): the engine requests
+    it counts in its replica's ``ReplicaRecord.answering`` (unless that replica restarted or
+    left since its dispatch)."""
     generated_tokens: int | None = None
     """Tokens the engine generated for it, when the answer said (``usage.completion_tokens``,
     a stream's relayed count); set by the caller before ``finish``. Unset, the core assumes
@@ -389,12 +391,13 @@ class DecisionCore:
         engine has seen it and made its tokens, and it runs nowhere else now. From here on it no
         longer counts as work the engine holds for the stall rule (:meth:`_watch_progress`):
         a healthy engine whose finished stream a client reads slowly is not stalled. Idempotent."""
-        rid = job.replica_id
-        rec = self.replicas.get(rid) if rid is not None else None
-        if job.answering or job.ticket is None or rec is None or rec.incarnation != job.incarnation:
+        if job.answering or job.ticket is None:
             return
         job.answering = job.ticket.requests
-        rec.answering += job.answering
+        rid = job.replica_id
+        rec = self.replicas.get(rid) if rid is not None else None
+        if rec is not None and rec.incarnation == job.incarnation:  # else finish takes nothing off either
+            rec.answering += job.answering
 
     def probe_due(self, rid: ReplicaId, now: float) -> bool:
         """Whether the router should probe ``rid``'s engine now: in rotation, no work held at the

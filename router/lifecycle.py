@@ -95,12 +95,15 @@ class Flight:
     elsewhere: bool = False
     """Taken back because its replica stopped answering (``Lifecycle.abandon``): it runs again
     on another replica, as after a 5xx, instead of again on any (a weight update's preemption)."""
-    answering: bool = False
-    """Its answer is being written to the client (``router.responses.send_now``; a stream once
-    its first byte went): a weight update or an abandon leaves it alone (preempting it now would
-    answer twice)."""
     tokens: dict[int, int] = field(default_factory=dict)
     spans: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def answering(self) -> bool:
+        """Its answer is being written to the client (``Lifecycle.answer_starts``: a JSON answer
+        read whole, a stream once its first byte went; the core's ``Job.answering``): a weight
+        update or an abandon leaves it alone (preempting it now would answer twice)."""
+        return self.job.answering > 0
 
 
 class Lifecycle:
@@ -268,9 +271,6 @@ class Lifecycle:
         if aborted:
             raise self.aborted(job)
         self.core.answering(job)
-        flight = self.flight(job)
-        if flight is not None:
-            flight.answering = True
 
     def aborted(self, job: Job) -> Exception:
         """What to raise for ``job``'s non-streamed answer its engine aborted part way (a choice's

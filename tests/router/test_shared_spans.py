@@ -30,7 +30,10 @@ def _kept_stream(app, tokens: int) -> Flight:
     core, life = app[keys.CORE], app[keys.LIFECYCLE]
     job = core.open(RequestSpec(list(range(100, 164))), 0.0)
     core.place(job, 0.0)
-    flight = Flight(job, True, spans=[first_span(core, job)], tokens={0: tokens}, answering=tokens > 0)
+    assert core.admit(job, 0.0).verdict == "admit"
+    flight = Flight(job, True, spans=[first_span(core, job)], tokens={0: tokens})
+    if tokens:
+        core.answering(job)
     life.flights.setdefault(R0, {})[job.id] = flight
     return flight
 
