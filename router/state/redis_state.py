@@ -48,6 +48,7 @@ class RedisState:
         self.background_timeout_s = max(0.5, 10 * timeout_s)
         self.pins = PinSync(self.redis, self.keys, pin_ttl_s)
         self.versions = VersionSync(self.redis, self.keys, self.router_id, self._changed, self._applied)
+        self.versions.control_timeout_s = self.background_timeout_s
         self.registry = RegistrySync(self.redis, self.keys, self.router_id)
         self.peers = PeerSync(self.redis, self.keys, self.router_id, max(1.0, 4 * sync_interval_s))
         # ttl_s: a router that stopped beating for 4 rounds (>= 1 s) is gone, with its load share
@@ -214,7 +215,10 @@ class RedisState:
                 others += [r for r in alive if r != self.router_id and r not in others]
                 marks = await self.redis.call(lambda c: c.mget([self.keys.marked(r) for r in others])) if others else []
             except StateUnavailable:
-                return ["redis"]
+                if time.monotonic() >= deadline or self.redis.breaker.state == "open":
+                    return ["redis"]
+                await asyncio.sleep(0.02)  # one late answer: ask again while the wait lasts
+                continue
             late = [r for r, m in zip(others, marks) if m is None or int(m) < epoch]
             if not late or time.monotonic() >= deadline:
                 return late

@@ -52,6 +52,12 @@ class VersionSync:
         replicas the registry adds later)."""
         self.unreleased: str | None = None
         """The owner of an update lock this router could not release (sent again by the sync round)."""
+        self.control_timeout_s: float | None = None
+        """The deadline of the weight-update path's calls (the lock, publications, the snapshot read
+        at the lock), longer than a request's (``router.redis_timeout_s``, 75 ms by default): an
+        update is rare and may wait, and a fresh attacker saw one in three updates fail on a single
+        late answer on a loaded 2-core host (a replica left on the old version, a 409 naming no
+        holder). None: the client's default."""
         self.pending = False
         """A publication of this router's got no answer (Redis down, or slow: it may have been
         written): the core's snapshot is published again by the next sync round (:meth:`publish`
@@ -79,10 +85,10 @@ class VersionSync:
                 core.unconfirm_versions()
                 self.on_change()
 
-    async def fetch(self, core: DecisionCore) -> bool:
+    async def fetch(self, core: DecisionCore, timeout_s: float | None = None) -> bool:
         """Read and apply the snapshot in Redis if newer; True when Redis holds one.
         Raises StateUnavailable."""
-        raw = await self.redis.call(lambda c: c.hgetall(self.keys.versions))
+        raw = await self.redis.call(lambda c: c.hgetall(self.keys.versions), timeout_s=timeout_s)
         if not raw or "snapshot" not in raw:
             self.missing = self.applied >= 0
             return False
@@ -123,7 +129,7 @@ class VersionSync:
                 lambda c: c.eval(PUBLISH_VERSIONS, 2, self.keys.versions, self.keys.versions_epoch, text,
                                  self.router_id, self.keys.events, "", self.applied, "1" if retry else "",
                                  json.dumps(recomputed or {})),
-                timeout_s=timeout_s, background=retry)
+                timeout_s=timeout_s or self.control_timeout_s, background=retry)
         except StateUnavailable as exc:
             if not self.pending:
                 log.warning("could not publish versions (published again once redis answers): %s", exc)
@@ -167,10 +173,11 @@ class VersionSync:
         read fails."""
         try:
             if not await self.redis.call(lambda c: c.set(self.keys.lock_update, owner, nx=True,
-                                                          px=max(1, int(ttl_s * 1000)))):
+                                                          px=max(1, int(ttl_s * 1000))),
+                                         timeout_s=self.control_timeout_s):
                 return False
             if core is not None:
-                await self.fetch(core)
+                await self.fetch(core, self.control_timeout_s)
             return True
         except StateUnavailable:
             await self.release_lock(owner, now=True)
@@ -180,7 +187,8 @@ class VersionSync:
         """Extend ``owner``'s lock by ``ttl_s``; False if it no longer holds it or Redis is down."""
         try:
             return bool(await self.redis.call(lambda c: c.eval(REFRESH_LOCK, 1, self.keys.lock_update, owner,
-                                                               max(1, int(ttl_s * 1000)))))
+                                                               max(1, int(ttl_s * 1000))),
+                                              timeout_s=self.control_timeout_s))
         except StateUnavailable:
             return False
 
@@ -201,7 +209,7 @@ class VersionSync:
             return
         try:
             await self.redis.call(lambda c: c.eval(RELEASE_LOCK, 1, self.keys.lock_update, owner),
-                                  timeout_s=timeout_s, background=timeout_s is not None)
+                                  timeout_s=timeout_s or self.control_timeout_s, background=timeout_s is not None)
         except StateUnavailable as exc:
             if self.unreleased != owner:
                 log.warning("could not release the update lock of %s (released again once redis answers): %s",
@@ -214,7 +222,7 @@ class VersionSync:
     async def lock_holder(self) -> str | None:
         """Who holds the update lock (None: free, or Redis unreachable)."""
         try:
-            return await self.redis.call(lambda c: c.get(self.keys.lock_update))
+            return await self.redis.call(lambda c: c.get(self.keys.lock_update), timeout_s=self.control_timeout_s)
         except StateUnavailable:
             return None
 

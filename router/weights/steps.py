@@ -37,6 +37,8 @@ from router.lifecycle import Lifecycle
 log = logging.getLogger(__name__)
 
 DRAIN_POLL_S = 0.05
+ENGINE_HELD_TIMEOUT_S = 5.0
+"""How long a paused engine's ``/metrics`` may take to say what it holds (``ReplicaUpdate.engine_held``)."""
 PREEMPT_SETTLE_S = 5.0
 """How long preempted attempts get to leave the replica (their upstream connections closed)."""
 
@@ -57,7 +59,11 @@ class ReplicaUpdate:
     preempted: int = 0
     """Non-streamed attempts taken back and run again (nothing had reached their clients)."""
     kept_streams: int = 0
-    """Streams frozen across the update (keep) or ended by it (abort)."""
+    """This router's streams frozen across the update (keep) or ended by it (abort)."""
+    engine_held: int | None = None
+    """Requests the engine held at its ``keep`` pause, every router's (running + waiting by its
+    ``/metrics``; None: not read): kept streams of other routers among them, which this router's
+    own count misses, and which a prefix-cache reset must preempt or it is refused."""
     engine_hung: bool = False
     """Its pause got no answer (:data:`SETTLED_PAUSE_TIMEOUT_S`): the engine hangs; a replica this
     router launched is restarted (``WeightUpdater.restart_engine``) and then caught up."""
@@ -180,6 +186,8 @@ class Steps:
             rec.engine_hung = ctl.pause_unanswered
             return False
         rec.paused_after_s = round(time.monotonic() - rec.started, 3)
+        if pause_mode == "keep":
+            rec.engine_held = await ctl.engine_busy(timeout_s=ENGINE_HELD_TIMEOUT_S)
         if transfer and not rec.note(await ctl.start_transfer()):
             return False
         rec.phase = "paused"
@@ -205,10 +213,18 @@ class Steps:
         ``new_path``: a folder holding them (restores later updates), None when pushed."""
         rec.phase, rec.weights = "committing", "new"
         ctl = self.control(rid)
-        kept = rec.kept_streams > 0 and rec.pause_mode == "keep"  # abort ended them at the pause
-        preempt = kept and (policy == "salt" or (policy == "flush" and preempt_running))
+        kept = rec.pause_mode == "keep" and self._holds_work(rid, rec)  # abort ended them at the pause
+        may_preempt = policy == "salt" or (policy == "flush" and preempt_running)
+        preempt = kept and may_preempt
         if policy == "flush" or preempt:
             outcome = await ctl.reset(preempt)
+            if not outcome.confirmed and not preempt and rec.pause_mode == "keep" and may_preempt:
+                # refused for requests no count showed (another router's stream its last heartbeat
+                # had not carried yet, an engine gauge behind its scheduler): they are kept ones
+                log.info("replica %s: the prefix-cache reset was refused (%s); again, preempting what the engine "
+                         "holds", rid, outcome.detail)
+                preempt = kept = True
+                outcome = await ctl.reset(True)
             rec.reset_confirmed = outcome.confirmed
             if not outcome.confirmed:
                 rec.note(f"prefix cache not reset ({outcome.detail}): the new weights would run over old KV")
@@ -230,6 +246,15 @@ class Steps:
         await self._tell_before_resume(rid, rec, recomputed)
         await self._resume(rid, rec, ctl)
         rec.ok = rec.in_rotation and rec.error is None
+
+    def _holds_work(self, rid: ReplicaId, rec: ReplicaUpdate) -> bool:
+        """Whether ``rid``'s paused engine holds requests of any router: this router's kept
+        streams, other routers' work there as their last heartbeats showed it, or the engine's own
+        count at the pause (``engine_held``). A fresh attacker's flush through router B, while
+        router A streamed on the replica, counted B's streams alone (none): the reset went
+        without ``reset_running_requests``, vLLM refused it, and B had no folder to restore."""
+        peers = self.core.in_flight_all(rid) - self.core.in_flight(rid)
+        return rec.kept_streams > 0 or peers > 0 or (rec.engine_held or 0) > 0
 
     async def release(self, rid: ReplicaId, rec: ReplicaUpdate, restore: bool) -> None:
         """Abort: back on the previous weights (reloaded from their folder when ``restore``)."""

@@ -335,6 +335,9 @@ class WeightUpdater:
                     raise NoReplica("shared state unreachable: no update can be coordinated across routers",
                                     headers={"Retry-After": "5"})
                 holder = await shared.update_lock_holder()
+                if holder is None:  # free now, or unreadable: nobody to name
+                    raise NoReplica("the weight-update lock could not be taken (Redis answered too late, or another "
+                                    "router's update ended just then); retry", headers={"Retry-After": "1"})
                 raise UpdateInProgress(f"another router's weight update holds the lock ({holder}); retry later")
         self._spawn(self._keeper(upd))
         return upd

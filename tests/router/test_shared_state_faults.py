@@ -331,3 +331,38 @@ async def _started_pair(url: str, prefix: str, tight_a: bool = False) -> tuple[R
     await a.state.start(a.app, a.core)
     await b.state.start(b.app, b.core)
     return a, b
+
+
+async def test_the_update_path_rides_out_an_answer_later_than_a_requests_deadline(tmp_path):
+    """A fresh attacker (2 routers and 2 vLLM engines on 2 cores) saw one update in three fail on
+    a single answer later than ``router.redis_timeout_s`` (75 ms): a replica left on the old
+    version, or a 409 naming no holder. The update's calls (its lock, its publications) wait
+    ``background_timeout_s``; a request's still fail at their own deadline."""
+    redis = RedisProcess(tmp_path).start()
+    try:
+        a = Router(redis.url, "f12:", timeout_s=0.05)
+        await a.state.start(a.app, a.core)
+        assert a.state.versions.control_timeout_s == a.state.background_timeout_s == 0.5
+        loop = asyncio.get_running_loop()
+        calls = {"lock": lambda: a.state.acquire_update_lock("a:41", 60.0),
+                 "publish": lambda: a.state.publish_versions(a.core),
+                 "holder": a.state.update_lock_holder,
+                 "refresh": lambda: a.state.refresh_update_lock("a:41", 60.0)}
+        for name, call in calls.items():
+            redis.stop()
+            loop.call_later(0.2, redis.cont)  # frozen 4x past a request's deadline
+            started = time.monotonic()
+            result = await call()
+            took = time.monotonic() - started
+            assert result == ("a:41" if name == "holder" else True) and 0.15 < took < 0.5, (name, result, took)
+            await asyncio.sleep(0.05)
+        redis.stop()
+        loop.call_later(0.3, redis.cont)
+        started = time.monotonic()
+        job = await a.route(RequestSpec(list(range(64)), session_id="s"))  # the request path: its own deadline
+        assert job.replica_id is not None and time.monotonic() - started < 0.2
+        await asyncio.sleep(0.35)
+        await a.state.release_update_lock("a:41", now=True)
+        assert await a.state.update_lock_holder() is None
+    finally:
+        redis.close()
