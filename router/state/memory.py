@@ -58,9 +58,14 @@ class MemoryState:
         """Who holds the lock (None: free)."""
         return self._holder()
 
-    async def publish_versions(self, core: DecisionCore, recomputed: dict | None = None) -> bool:
+    async def publish_versions(self, core: DecisionCore, recomputed: dict | None = None,
+                               folders: dict[int, str] | None = None) -> bool:
         """No other router to tell: always True."""
         return True
+
+    def shared_folder(self, version: int) -> str | None:
+        """No other router loads weights: None."""
+        return None
 
     async def await_marked(self, timeout_s: float = 0.0) -> list[str]:
         """No other router to wait for: none late."""

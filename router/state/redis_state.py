@@ -194,11 +194,18 @@ class RedisState:
         except StateUnavailable:
             pass  # the next sync round writes it
 
-    async def publish_versions(self, core: DecisionCore, recomputed: dict | None = None) -> bool:
+    async def publish_versions(self, core: DecisionCore, recomputed: dict | None = None,
+                               folders: dict[int, str] | None = None) -> bool:
         """Publish ``core``'s versions, policy and update rotation; False if Redis is unreachable.
         ``recomputed``: replicas whose version this moves, and whether their kept streams
-        recomputed their context (``VersionSync.publish``)."""
-        return await self.versions.publish(core, recomputed=recomputed)
+        recomputed their context; ``folders``: the folders this router loaded versions from
+        (``VersionSync.publish``)."""
+        return await self.versions.publish(core, recomputed=recomputed, folders=folders)
+
+    def shared_folder(self, version: int) -> str | None:
+        """The folder another router loaded ``version`` from, as its last publication said
+        (``VersionSync.folders``); None when none did."""
+        return self.versions.folders.get(version)
 
     async def await_marked(self, timeout_s: float = MARK_TIMEOUT_S) -> list[str]:
         """Wait until every other live router confirmed the epoch this router published last

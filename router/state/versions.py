@@ -15,9 +15,11 @@ down) salts nothing with a guess (``DecisionCore.unconfirm_versions``) until it 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from collections.abc import Callable
+from typing import Any
 
 from cache_policy.core import DecisionCore
 from cache_policy.sharing import VersionSnapshot
@@ -58,6 +60,10 @@ class VersionSync:
         update is rare and may wait, and a fresh attacker saw one in three updates fail on a single
         late answer on a loaded 2-core host (a replica left on the old version, a 409 naming no
         holder). None: the client's default."""
+        self.folders: dict[int, str] = {}
+        """Per version still served somewhere (or current), the folder a router loaded it from, as
+        publications carried them (``publish``'s ``folders``): another router's refused commit or
+        failed load restores the previous weights from it instead of leaving them undefined."""
         self.pending = False
         """A publication of this router's got no answer (Redis down, or slow: it may have been
         written): the core's snapshot is published again by the next sync round (:meth:`publish`
@@ -100,8 +106,10 @@ class VersionSync:
             return True
         if epoch > self.applied:
             try:
-                snapshot = VersionSnapshot.from_json(json.loads(raw["snapshot"]))
+                data = json.loads(raw["snapshot"])
+                snapshot = VersionSnapshot.from_json(data)
                 changed = core.apply_versions(snapshot)
+                self._merge_folders(data.get("folders"), snapshot)
             except (ValueError, KeyError, TypeError) as exc:
                 log.warning("ignoring a malformed version snapshot (epoch %s, by %s): %r", epoch, raw.get("by"), exc)
                 return True
@@ -114,16 +122,34 @@ class VersionSync:
             self.on_applied(epoch, snapshot, changed, _recomputed(raw.get("recomputed")))
         return True
 
+    def _merge_folders(self, folders: Any, snapshot: VersionSnapshot) -> None:
+        """Take the folders a publication carried (``{"version": "path"}``; anything else is
+        ignored) and keep those of versions ``snapshot`` still has served or current (bounded by
+        the replicas, whatever the number of updates)."""
+        if isinstance(folders, dict):
+            for version, path in folders.items():
+                with contextlib.suppress(TypeError, ValueError):
+                    if isinstance(path, str) and path:
+                        self.folders[int(version)] = path
+        live = {v for _, v in snapshot.loaded if v is not None} | {snapshot.current}
+        for version in [v for v in self.folders if v not in live]:
+            del self.folders[version]
+
     async def publish(self, core: DecisionCore, *, retry: bool = False, timeout_s: float | None = None,
-                      recomputed: dict | None = None) -> bool:
+                      recomputed: dict | None = None, folders: dict[int, str] | None = None) -> bool:
         """Publish the core's snapshot as the next epoch (past Redis's and this router's own,
         ``PUBLISH_VERSIONS``); False when Redis is unreachable or did not answer in time (then
         :attr:`pending`: the sync round publishes again). ``retry``: that publication again, not
         written over a newer one of another router (False then, and nothing pending).
         ``recomputed``: replicas whose version this publication moves, and whether their kept
-        streams recomputed their context (the other routers' new spans say so)."""
+        streams recomputed their context (the other routers' new spans say so). ``folders``: the
+        folders this router loaded versions from; those of versions served or current go along."""
         snapshot = core.versions_snapshot()
-        text = json.dumps(snapshot.as_json())
+        data = snapshot.as_json()
+        if folders:
+            live = {v for _, v in snapshot.loaded if v is not None} | {snapshot.current}
+            data["folders"] = {str(v): p for v, p in folders.items() if v in live}
+        text = json.dumps(data)
         try:
             epoch, written = await self.redis.call(
                 lambda c: c.eval(PUBLISH_VERSIONS, 2, self.keys.versions, self.keys.versions_epoch, text,
@@ -140,6 +166,7 @@ class VersionSync:
             log.warning("versions not published again: another router published epoch %s since", epoch)
             return False
         self.applied, self.confirmed, self.missing, self.last = int(epoch), True, False, snapshot
+        self._merge_folders(data.get("folders"), snapshot)
         return True
 
     async def restore(self, core: DecisionCore, others_alive: bool) -> None:

@@ -119,11 +119,17 @@ class Steps:
         the fleet's version once they move again (``WeightUpdater.catch_up_recovered``)."""
 
     def folder_of(self, rid: ReplicaId) -> str | None:
-        """The folder of the weights ``rid`` serves now (what a failed load restores), if this
-        router knows one: the version it serves was loaded here from a folder, or is the initial
-        one. None when they were pushed without a folder, or another router ran the update (it
-        shares the version, not the folder: restoring an older folder would mislabel it)."""
-        return self.folders.get(self.core.versions.loaded.get(rid))  # type: ignore[arg-type]
+        """The folder of the weights ``rid`` serves now (what a failed load restores), if one is
+        known: the version it serves was loaded from a folder, here or by another router (its
+        publication carries the folder: ``shared_folder``), or is the initial one. None when
+        they were pushed without a folder."""
+        version = self.core.versions.loaded.get(rid)
+        return None if version is None else self.folder_of_version(version)
+
+    def folder_of_version(self, version: int) -> str | None:
+        """The folder ``version`` was loaded from, here or by another router; None if none."""
+        shared = self.life.shared
+        return self.folders.get(version) or (shared.shared_folder(version) if shared is not None else None)
 
     def control(self, rid: ReplicaId) -> ReplicaControl:
         return ReplicaControl(self.life.http, self.life.pool.get(rid).endpoint.base_url)
@@ -133,7 +139,7 @@ class Steps:
         ``recomputed``: replicas whose version just moved, and whether their kept streams
         recomputed their context (the others' new spans say so)."""
         shared = self.life.shared
-        return True if shared is None else bool(await shared.publish_versions(self.core, recomputed))
+        return True if shared is None else bool(await shared.publish_versions(self.core, recomputed, self.folders))
 
     async def hold(self, rid: ReplicaId, rec: ReplicaUpdate) -> bool:
         """Out of rotation; False (and back in) when the others could not be told. False, and

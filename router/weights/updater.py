@@ -128,9 +128,9 @@ class WeightUpdater:
 
     async def catch_up(self, rid: ReplicaId, reason: str) -> None:
         """Bring ``rid`` to the fleet's current version: a one-replica folder update (hold,
-        drain, pause, load, the policy in force, resume) from the folder this router loaded that
-        version from (:attr:`folders`), once no update runs. With no such folder (the version
-        was pushed, two-phase without ``weights_path``, or another router ran its update) it
+        drain, pause, load, the policy in force, resume) from the folder that version was loaded
+        from, by this router or another (``Steps.folder_of_version``), once no update runs. With
+        no such folder (the version was pushed, two-phase without ``weights_path``) it
         stays out of rotation, the reason saying so, until the next update, which takes it along
         (a replica out of rotation is a target). A failed load leaves it out too. It gives up
         once ``rid`` is no longer out for ``reason`` (an update took it along, or it left).
@@ -143,10 +143,10 @@ class WeightUpdater:
             if self.active is not None:
                 await self.active.ended.wait()
                 continue
-            path = self.folders.get(current)
+            path = self.steps.folder_of_version(current)
             if path is None:
                 return self._leave_out(rid, f"serves version {versions.loaded.get(rid)}, not the fleet's; version "
-                                            f"{current} was pushed without a folder, or by another router: the next "
+                                            f"{current} was pushed without a folder: the next "
                                             "update brings it along")
             log.info("replica %s serves version %s after its (re)start: loading version %s from %s",
                      rid, versions.loaded.get(rid), current, path)

@@ -263,3 +263,25 @@ async def test_a_removed_replicas_entry_leaves_the_registry_and_every_router_onc
     for r in (a, b):
         assert r2 not in r.state.registry.known and r2 not in r.state.registry.seq
     assert sorted(await a.state.redis.call(lambda c: c.hkeys(p + "replicas"))) == [R0, R1]  # the others stay
+
+
+async def test_a_publication_carries_the_folders_of_the_versions_still_served(redis_url):
+    # a fresh attacker: router B's refused commit of a version router A had loaded found no folder
+    # to restore (routers shared versions, not folders) and left the replica paused with undefined
+    # weights. Each publication carries the folders of versions still served (or current)
+    p = prefix()
+    a, b = Router(redis_url, p), Router(redis_url, p)
+    await a.state.start(a.app, a.core)
+    await b.state.start(b.app, b.core)
+    a.core.version_loaded(R0, 1)
+    a.core.finish_update(1, "keep+salt")
+    assert await a.state.publish_versions(a.core, None, {0: "/ckpt/v0", 1: "/ckpt/v1", 7: "/ckpt/gone"})
+    await b.state.sync_round()
+    assert b.core.versions.loaded[R0] == 1
+    assert (b.state.shared_folder(0), b.state.shared_folder(1), b.state.shared_folder(7)) == ("/ckpt/v0", "/ckpt/v1", None)
+    # version 0 no longer served anywhere: forgotten (bounded by the replicas, not the updates)
+    a.core.version_loaded(R1, 1)
+    assert await a.state.publish_versions(a.core)
+    await b.state.sync_round()
+    assert (b.state.shared_folder(0), b.state.shared_folder(1)) == (None, "/ckpt/v1")
+    assert sorted(b.state.versions.folders) == [1]
