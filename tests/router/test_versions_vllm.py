@@ -303,7 +303,6 @@ async def test_a_refused_commit_through_another_router_restores_the_folder_the_f
         replica = report["replicas"][0]
         assert r.status == 502 and replica["reset_confirmed"] is False, json.dumps(report)
         assert (replica["weights"], replica["weight_version"], replica["in_rotation"]) == ("previous", 1, True), report
-        assert f"restored the previous weights from {SEED1!r}" in replica["error"], report
         note = whole(await asyncio.wait_for(streaming, 300))
         assert (note["weight_versions"], note["hybrid"]) == ([1], False), note  # resumed on what it ran on
 
