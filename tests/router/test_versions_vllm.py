@@ -82,6 +82,67 @@ def close(a: dict[str, float], b: dict[str, float]) -> bool:
     return a.keys() == b.keys() and all(abs(a[k] - b[k]) <= LOGPROB_ATOL for k in a)
 
 
+@contextlib.asynccontextmanager
+async def two_routers(small, tmp_path, prefix: str):
+    """Routers A and B (flush, an admin token) on one redis-server, and the engine's brake."""
+    redis = RedisProcess(tmp_path).start()
+    pgid = (await small.info(small.endpoints[0].replica_id)).pid
+    cfg = AppConfig().replace(router={"port": 0, "scrape_interval_s": 0.2, "admin_token": TOKEN,
+                                      "weight_update_policy": "flush", "state": "redis", "redis_url": redis.url,
+                                      "redis_prefix": prefix, "redis_timeout_s": 1.0, "state_sync_interval_s": 0.1})
+    try:
+        async with running_router(cfg, small.endpoints) as a, running_router(cfg, small.endpoints) as b, \
+                EngineBrake(pgid) as brake:
+            yield a, b, brake
+    finally:
+        redis.close()
+
+
+async def held_stream(http, url: str, app, brake, seed: int) -> asyncio.Future:
+    """A 1,900-token stream through ``url``, held while it streams: it is still running when an
+    update pauses (keep) and resets, and the router caught up with the held engine (it has
+    generated no more than it relayed). A stream that finished unheld (CI once: the API server
+    relayed 0 then 943 tokens at once, the rest before the count settled) is followed by
+    another, at most twice. Its future reads the events whole."""
+    body = {"prompt": prompt(seed, 100), "max_tokens": 1900, "ignore_eos": True, "stream": True}
+
+    async def read_stream() -> list[bytes]:
+        async with http.post(url + "/v1/completions", json=body) as stream:
+            return [line for line in (await stream.read()).split(b"\n\n") if line.startswith(b"data: {")]
+
+    for attempt in range(3):
+        streaming = asyncio.ensure_future(read_stream())
+        try:
+            await brake.hold_when(relaying(app, "replica-0", most=950, settled_s=0.5), 60, settle_s=2.0,
+                                  max_run_s=0.02, what="the stream relaying", watch=[streaming])
+            return streaming
+        except Finished as e:
+            if attempt == 2:
+                raise
+            print(f"retrying with a new stream: {e}")
+    raise AssertionError("unreachable")
+
+
+async def update_beside(http, url: str, brake, **body) -> tuple[int, dict]:
+    """``POST /admin/weights`` (``pause_mode: keep``) through ``url`` while the engine is held,
+    released once the update is under way (the stream it keeps is still running); its status
+    and report."""
+    answer = asyncio.ensure_future(http.post(url + "/admin/weights", headers=ADMIN,
+                                             json={"pause_mode": "keep", **body}))
+    await phase_reached(http, url, ADMIN, "replica-0", ("draining", "paused", "loading", "committing"))
+    await asyncio.sleep(0.3)
+    brake.release()
+    async with await answer as r:
+        return r.status, await r.json()
+
+
+def whole(events: list[bytes]) -> dict:
+    """The final ``rollout_router`` note of a stream that ran to its length (never cut)."""
+    finishes = [c.get("finish_reason") for e in events for c in json.loads(e[6:]).get("choices", [])]
+    assert finishes.count("length") == 1 and finishes[-1] == "length", finishes[-3:]
+    return json.loads(events[-1][6:])["rollout_router"]
+
+
 async def test_salt_new_session_misses_and_matches_the_new_checkpoint_old_version_is_resalted(http, small):
     base = small.endpoints[0].base_url
     tokens = prompt(1, 600)
@@ -180,26 +241,7 @@ async def test_flush_refused_by_a_kept_stream_restores_the_old_weights_and_serve
     pgid = (await small.info(small.endpoints[0].replica_id)).pid
     async with router_for(small, "flush") as (url, app), EngineBrake(pgid) as brake:
         await complete(http, url, repeated)
-        body = {"prompt": prompt(8, 100), "max_tokens": 1900, "ignore_eos": True, "stream": True}
-
-        async def read_stream() -> list[bytes]:
-            async with http.post(url + "/v1/completions", json=body) as stream:
-                return [line for line in (await stream.read()).split(b"\n\n") if line.startswith(b"data: {")]
-
-        # held while it streams: it is still running when the update pauses (keep) and resets
-        # (and the router caught up with the held engine: it has generated no more than it relayed).
-        # A stream that finished unheld (CI once: the API server relayed 0 then 943 tokens at once,
-        # the rest before the count settled) is followed by another, at most twice.
-        for attempt in range(3):
-            streaming = asyncio.ensure_future(read_stream())
-            try:
-                await brake.hold_when(relaying(app, "replica-0", most=950, settled_s=0.5), 60, settle_s=2.0,
-                                      max_run_s=0.02, what="the stream relaying", watch=[streaming])
-                break
-            except Finished as e:
-                if attempt == 2:
-                    raise
-                print(f"retrying with a new stream: {e}")
+        streaming = await held_stream(http, url, app, brake, 8)
         update_body = {"version": 1, "weights_path": SEED1, "pause_mode": "keep", "preempt_running": False}
         answer = asyncio.ensure_future(http.post(url + "/admin/weights", json=update_body, headers=ADMIN))
         await phase_reached(http, url, ADMIN, "replica-0", ("draining",))
@@ -218,51 +260,6 @@ async def test_flush_refused_by_a_kept_stream_restores_the_old_weights_and_serve
         assert (note["weight_versions"], note["hybrid"], len(note["spans"])) == ([0], False, 1)
 
 
-@contextlib.asynccontextmanager
-async def two_routers(small, tmp_path, prefix: str):
-    """Routers A and B (flush, an admin token) on one redis-server, and the engine's brake."""
-    redis = RedisProcess(tmp_path).start()
-    pgid = (await small.info(small.endpoints[0].replica_id)).pid
-    cfg = AppConfig().replace(router={"port": 0, "scrape_interval_s": 0.2, "admin_token": TOKEN,
-                                      "weight_update_policy": "flush", "state": "redis", "redis_url": redis.url,
-                                      "redis_prefix": prefix, "redis_timeout_s": 1.0, "state_sync_interval_s": 0.1})
-    try:
-        async with running_router(cfg, small.endpoints) as a, running_router(cfg, small.endpoints) as b, \
-                EngineBrake(pgid) as brake:
-            yield a, b, brake
-    finally:
-        redis.close()
-
-
-async def held_stream(http, url: str, app, brake, seed: int) -> asyncio.Future:
-    """A 1,900-token stream through ``url``, held while it relays (see the test above); its
-    future reads the events whole."""
-    body = {"prompt": prompt(seed, 100), "max_tokens": 1900, "ignore_eos": True, "stream": True}
-
-    async def read_stream() -> list[bytes]:
-        async with http.post(url + "/v1/completions", json=body) as stream:
-            return [line for line in (await stream.read()).split(b"\n\n") if line.startswith(b"data: {")]
-
-    for attempt in range(3):
-        streaming = asyncio.ensure_future(read_stream())
-        try:
-            await brake.hold_when(relaying(app, "replica-0", most=950, settled_s=0.5), 60, settle_s=2.0,
-                                  max_run_s=0.02, what="the stream relaying", watch=[streaming])
-            return streaming
-        except Finished as e:
-            if attempt == 2:
-                raise
-            print(f"retrying with a new stream: {e}")
-    raise AssertionError("unreachable")
-
-
-def whole(events: list[bytes]) -> dict:
-    """The final ``rollout_router`` note of a stream that ran to its length (never cut)."""
-    finishes = [c.get("finish_reason") for e in events for c in json.loads(e[6:]).get("choices", [])]
-    assert finishes.count("length") == 1 and finishes[-1] == "length", finishes[-3:]
-    return json.loads(events[-1][6:])["rollout_router"]
-
-
 async def test_a_flush_through_another_router_preempts_this_routers_kept_stream(http, small, tmp_path):
     # a fresh attacker: router B's flush (pause_mode keep) while router A streamed on the replica
     # counted B's own streams (none), sent the reset without reset_running_requests, vLLM refused
@@ -271,15 +268,9 @@ async def test_a_flush_through_another_router_preempts_this_routers_kept_stream(
     # A's stream, which recomputes its context under the new weights and says so
     async with two_routers(small, tmp_path, "xflush:") as ((a_url, a), (b_url, _), brake):
         streaming = await held_stream(http, a_url, a, brake, 9)
-        answer = asyncio.ensure_future(http.post(b_url + "/admin/weights", headers=ADMIN, json={
-            "version": 1, "weights_path": SEED1, "pause_mode": "keep"}))
-        await phase_reached(http, b_url, ADMIN, "replica-0", ("draining", "paused", "loading", "committing"))
-        await asyncio.sleep(0.3)
-        brake.release()
-        async with await answer as r:
-            report = await r.json()
+        status, report = await update_beside(http, b_url, brake, version=1, weights_path=SEED1)
         replica = report["replicas"][0]
-        assert r.status == 200 and replica["reset_confirmed"] is True, json.dumps(report)
+        assert status == 200 and replica["reset_confirmed"] is True, json.dumps(report)
         assert (replica["kept_streams"], replica["weights"], replica["in_rotation"]) == (0, "new", True), report
         assert replica["engine_held"] is None or replica["engine_held"] >= 1, report
         note = whole(await asyncio.wait_for(streaming, 300))
@@ -293,15 +284,9 @@ async def test_a_refused_commit_through_another_router_restores_the_folder_the_f
     async with two_routers(small, tmp_path, "xrestore:") as ((a_url, a), (b_url, _), brake):
         await update(http, a_url, 1, SEED1)  # through A: B knows version 1, and now its folder
         streaming = await held_stream(http, a_url, a, brake, 10)
-        answer = asyncio.ensure_future(http.post(b_url + "/admin/weights", headers=ADMIN, json={
-            "version": 2, "weights_path": SEED0, "pause_mode": "keep", "preempt_running": False}))
-        await phase_reached(http, b_url, ADMIN, "replica-0", ("draining", "paused", "loading", "committing"))
-        await asyncio.sleep(0.3)
-        brake.release()
-        async with await answer as r:
-            report = await r.json()
+        status, report = await update_beside(http, b_url, brake, version=2, weights_path=SEED0, preempt_running=False)
         replica = report["replicas"][0]
-        assert r.status == 502 and replica["reset_confirmed"] is False, json.dumps(report)
+        assert status == 502 and replica["reset_confirmed"] is False, json.dumps(report)
         assert (replica["weights"], replica["weight_version"], replica["in_rotation"]) == ("previous", 1, True), report
         note = whole(await asyncio.wait_for(streaming, 300))
         assert (note["weight_versions"], note["hybrid"]) == ([1], False), note  # resumed on what it ran on
