@@ -46,6 +46,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from bench.console import wide_console_width
 from cache_policy.admission_state import TOUCHED_KEPT
 from cache_policy.config import PolicyConfig
 from cache_policy.core import DecisionCore, Job, ReplicaLoad, RequestSpec
@@ -381,7 +382,7 @@ def main(argv: list[str] | None = None) -> dict:
                      group_size=a.group_size, fan_out=a.fan_out, update_every=a.update_every,
                      restart_every=a.restart_every, churn_every=a.churn_every, weight_policy=a.weight_policy,
                      checkpoints=a.checkpoints, seed=a.seed)
-    console = Console(width=200)
+    console = Console(width=wide_console_width(240))
     cols = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*cols, console=console) as progress:
         task = progress.add_task("soak", total=cfg.steps)

@@ -144,11 +144,11 @@ class PolicyConfig:
     is work it holds, so an engine hung while idle is found by the stall rule before a client's
     request is sent to it (and restarted after ``stall_restart_after`` stalls), instead of each
     request sent there waiting out ``stall_timeout_s``. One probe per idle period costs the
-    engine one prompt token and one generated token. At the end of a stall the replica is probed
-    again, and it stays out until the probe is answered or a token moves (a probe its server
-    refuses ends the stall at its time). Replicas that went idle together are probed apart: each
-    after 1 to 1.25 times this (``cache_policy.core.probe_spread``). 0: off (also off with
-    ``stall_timeout_s`` 0)."""
+    engine one prompt token and one generated token, once a period for as long as it stays idle.
+    At the end of a stall the replica is probed again, and it stays out until the probe is
+    answered or a token moves (a probe its server refuses ends the stall at its time). Replicas
+    that went idle together are probed a scrape round apart (``router.scrape.idle_budget``). 0:
+    off (also off with ``stall_timeout_s`` 0)."""
 
     key_ttl_s: float = 3600.0
     """A session's or group's record (pin, start version) unseen for longer than this, with

@@ -213,19 +213,6 @@ class Job:
 
 
 
-PROBE_SPREAD = 0.25
-"""Idle probes of replicas that went idle together are spread over this share of the period."""
-
-
-def probe_spread(incarnation: int) -> float:
-    """The factor on ``policy.stall_probe_after_s`` after which an idle replica of ``incarnation``
-    (``ReplicaRecord.incarnation``: 1 for the first to join) is probed: 1 to 1 + :data:`PROBE_SPREAD`,
-    spread by the golden ratio so that any number of replicas that went idle at once (the end of
-    a rollout step) are probed at different times. A fresh attacker saw every idle engine of one
-    2-core host probed in the same scrape round: each probe took ~7 s there, and at a 5 s
-    ``policy.stall_timeout_s`` a healthy engine was stalled by its own probe."""
-    return 1.0 + PROBE_SPREAD * (((incarnation - 1) * 0.6180339887498949) % 1.0)
-
 
 class DecisionCore:
     """See the module docstring. Not thread-safe; every method is microseconds-scale
@@ -414,7 +401,7 @@ class DecisionCore:
             return False
         if rec.suspect:
             return rec.stalled_until is not None and now >= rec.stalled_until
-        return rec.healthy and rec.checked_at is not None and now - rec.checked_at >= after * probe_spread(rec.incarnation)
+        return rec.healthy and rec.checked_at is not None and now - rec.checked_at >= after
 
     def probe_sent(self, rid: ReplicaId, now: float) -> None:
         """A probe is in flight on ``rid`` since ``now``: work the engine holds for the stall rule,

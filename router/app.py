@@ -192,7 +192,7 @@ async def _scrape_loop(app: web.Application, interval_s: float, rounds: ScrapeRo
                 log.warning("metrics scrape failed unexpectedly (logged once per cause): %r", exc)
         try:
             _restart_hung(app, core, started, said_hung)
-            probes.start_due(http, pool, core, metrics, started, probe_timeout_s)
+            probes.start_due(http, pool, core, metrics, started, probe_timeout_s, interval_s)
             updater = app.get(keys.WEIGHT_UPDATER)
             if updater is not None:
                 updater.catch_up_recovered(time.monotonic())

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 
 import aiohttp
 
@@ -98,6 +99,15 @@ async def probe_engine(http: aiohttp.ClientSession, state: ReplicaState, metrics
     return outcome
 
 
+def idle_budget(replicas: int, interval_s: float, period_s: float) -> int:
+    """How many idle replicas one scrape round probes at most: enough that each of ``replicas``
+    is probed once per ``period_s`` (``policy.stall_probe_after_s``) with rounds every
+    ``interval_s`` seconds, and at least one."""
+    if period_s <= 0 or interval_s <= 0:
+        return max(1, replicas)
+    return max(1, math.ceil(replicas * interval_s / period_s))
+
+
 class EngineProbes:
     """Probes in flight, at most one per replica (``DecisionCore.probe_due``): each is work the
     engine holds for the stall rule until it ends (``probe_sent`` / ``probe_ended``)."""
@@ -107,13 +117,30 @@ class EngineProbes:
         self._seen: set[str] = set()
 
     def start_due(self, http: aiohttp.ClientSession, pool: ReplicaPool, core: DecisionCore, metrics: RouterMetrics,
-                  now: float, timeout_s: float) -> list[ReplicaId]:
-        """Probe every replica due at ``now`` with none in flight; the replicas probed."""
-        started = []
+                  now: float, timeout_s: float, interval_s: float = 0.0) -> list[ReplicaId]:
+        """Probe the replicas due at ``now`` with none in flight; the replicas probed.
+
+        Idle replicas are probed at most :func:`idle_budget` per call, the longest idle first
+        (a replica at its stall's end, ``ReplicaRecord.suspect``, at once): replicas that went idle
+        together (the end of a rollout step) are probed a scrape round apart, and stay apart, as
+        every probe starts its replica's next period. A fresh attacker saw every idle engine of
+        one 2-core host probed in the same round (each probe took ~7 s there, and a 5 s
+        ``policy.stall_timeout_s`` stalled a healthy engine on its own probe); a later new user
+        saw a per-replica stretch of the period drift two replicas back into one round."""
+        due = []
         for state in list(pool.states()):
             rid = state.endpoint.replica_id
-            if rid in self._pending or not core.probe_due(rid, now):
-                continue
+            if rid not in self._pending and core.probe_due(rid, now):
+                rec = core.replicas[rid]
+                due.append((not rec.suspect, rec.checked_at or 0.0, rid, state))
+        due.sort(key=lambda d: d[:2])
+        budget = idle_budget(len(core.replicas), interval_s, core.cfg.stall_probe_after_s)
+        started = []
+        for idle, _, rid, state in due:
+            if idle:
+                if budget <= 0:
+                    break
+                budget -= 1
             core.probe_sent(rid, now)
             task = asyncio.create_task(probe_engine(http, state, metrics, timeout_s, self._seen))
             self._pending[rid] = task

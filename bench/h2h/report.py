@@ -5,6 +5,8 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
+from bench.console import wide_console_width
+
 
 def rows(result: dict) -> list[list[str]]:
     """One row per workload and router: prefilled/ideal, busiest/mean (requests, prefill), errors."""
@@ -37,7 +39,7 @@ LAT_HEAD = ["router", "added p50 ms", "added p99 ms", "direct p50 ms", "router C
 
 
 def print_tables(result: dict) -> None:
-    console = Console()
+    console = Console(width=wide_console_width(200))
     for title, head, body in (("Head-to-head on simulated replicas (bench.h2h)", HEAD, rows(result)),
                               ("Router-added latency (zero-cost replica, sequential token-ID prompts)",
                                LAT_HEAD, latency_rows(result))):

@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from bench.argtypes import at_least, non_negative
+from bench.console import wide_console_width
 from bench.sim.fleet import FleetConfig
 from bench.sim.report import plot, render, write_json
 from bench.sim.runs import DEFAULT_POLICIES, KINDS, ROUTERS, engine_config, execute, make_runs
@@ -95,7 +96,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parser().parse_args(argv)
-    console = Console(width=200)
+    console = Console(width=wide_console_width(280))
     w = WorkloadConfig(group_size=args.group_size, groups_per_replica=args.groups_per_replica,
                        grpo_prompt=args.grpo_prompt, sessions_per_replica=args.sessions_per_replica,
                        turns=args.turns, tool_pause_s=args.tool_pause_s,

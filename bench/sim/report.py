@@ -61,8 +61,9 @@ def write_json(rows: list[dict], series: list[dict], spread: list[dict], args: d
 
 
 def plot(rows: list[dict], series: list[dict], spread: list[dict], out: Path) -> list[Path]:
-    """Three PNGs under ``out``: prefilled/ideal by policy and scale; hit rate over time across
-    updates; per-replica prefilled tokens (sorted) per policy. Returns the paths written."""
+    """PNGs under ``out``: prefilled/ideal by policy and scale; hit rate over time across
+    updates (only when ``series`` holds runs with updates); per-replica prefilled tokens
+    (sorted) per policy (when ``spread``). Returns the paths written."""
     import matplotlib
 
     matplotlib.use("Agg")

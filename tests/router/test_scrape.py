@@ -125,3 +125,43 @@ async def test_html_bad_utf8_a_hang_and_a_refused_connection_do_not_stop_the_scr
             await runner.cleanup()
     logged = [r.getMessage() for r in caplog.records if "logged once per cause" in r.getMessage()]
     assert len(logged) == len(set(logged))  # once per cause, not once per round
+
+
+async def test_replicas_that_went_idle_together_are_probed_a_round_apart_and_stay_apart():
+    # a fresh attacker: every idle engine of one 2-core host got its probe in the same scrape
+    # round (each took ~7 s there). A per-replica stretch of the period (session 28's first fix)
+    # drifted two replicas back into one round after ~2.5 min (a new user). Now a round probes
+    # at most idle_budget idle replicas, the longest idle first, and equal periods keep them apart
+    from aiohttp import ClientSession
+
+    from cache_policy.config import PolicyConfig
+    from cache_policy.core import DecisionCore, ReplicaLoad
+    from router.metrics import RouterMetrics
+    from router.pool import ReplicaPool
+    from router.scrape import EngineProbes, idle_budget
+    from tests.router.fake_vllm import FakeVllm, serving
+
+    assert (idle_budget(4, 1.0, 120.0), idle_budget(1024, 1.0, 120.0), idle_budget(3, 0.0, 120.0)) == (1, 9, 3)
+    fakes = [FakeVllm(block_size=16) for _ in range(4)]
+    async with serving(fakes[0]) as u0, serving(fakes[1]) as u1, serving(fakes[2]) as u2, serving(fakes[3]) as u3:
+        eps = [ReplicaEndpoint(ReplicaId(f"replica-{i}"), url, 16, 2000, "fake-gpu-model")
+               for i, url in enumerate((u0, u1, u2, u3))]
+        core = DecisionCore(PolicyConfig(stall_timeout_s=60.0, stall_probe_after_s=120.0))
+        for ep in eps:
+            core.add_replica(ep.replica_id, block_size=16, num_gpu_blocks=2000)
+            core.observe_load(ep.replica_id, ReplicaLoad(0.0, 0, 0, 2000, 0, 500), 0.0)  # idle together
+        probes, rounds = EngineProbes(), {}
+        async with ClientSession() as http:
+            for t in range(0, 500):  # scrape rounds 1 s apart, all idle (counters still)
+                for ep in eps:
+                    core.observe_load(ep.replica_id, ReplicaLoad(0.0, 0, 0, 2000, 0, 500), float(t))
+                for rid in probes.start_due(http, ReplicaPool(eps), core, RouterMetrics(), float(t), 5.0, 1.0):
+                    rounds.setdefault(rid, []).append(t)
+                while probes._pending:
+                    await asyncio.sleep(0.005)
+        assert all(not core.replicas[ep.replica_id].probing for ep in eps)
+        firsts = sorted(times[0] for times in rounds.values())
+        assert firsts == [120, 121, 122, 123], rounds  # one a round, the longest idle first
+        every = sorted(t for times in rounds.values() for t in times)
+        assert len(every) == len(set(every)), rounds  # never two in one round, however long idle
+        assert all(len(times) == 4 and times[1] - times[0] == 120 for times in rounds.values()), rounds
