@@ -18,6 +18,7 @@ import pytest
 
 from replicas.vllm_plugin.contract import SCORE_START_FIELD, block_rounded_hit
 from replicas.vllm_plugin.testing_hooks import SKIP_CAP_KEY
+from tests.engine_brake import EngineBrake
 from tests.replicas.conftest import BLOCK_SIZE, HttpResult, VllmServer
 
 pytestmark = pytest.mark.vllm
@@ -161,20 +162,31 @@ def test_forced_preemption_keeps_every_row(capped_server):
     prompts.append(prompts[0])  # a duplicate: its whole input is cached once the first is done
     want = reference_rows(capped_server, prompts, p)
     before = capped_server.metric("vllm:num_preemptions_total")
-    for _ in range(3):  # a CI run saw no preemption once (the fillers' timing): load it again, rows checked each time
-        capped_server.reset_prefix_cache()
-        fillers = [tokens(rng, 600) for _ in range(3)]
-        with ThreadPoolExecutor(len(fillers) + len(prompts)) as pool:
-            running = [pool.submit(capped_server.generate, ids, 1200) for ids in fillers]
-            time.sleep(0.5)  # the fillers hold most of the cache and keep growing
-            scored = [pool.submit(capped_server.score, ids, p - 1) for ids in prompts]
-            results = [f.result() for f in scored]
-            assert all(f.result().status == 200 for f in running)
-        for result, ids, rows in zip(results, prompts, want):
-            assert result.cached_tokens <= p - 1
-            assert rows_from(result, p, len(ids)) == rows
-        if capped_server.metric("vllm:num_preemptions_total") > before:
-            break
+    # every request reaches the engine while it is held (SIGSTOP): released, it takes them all at
+    # once, so the three fillers decode side by side and outgrow the cache. Sent to a running
+    # engine, two CI runs saw none preempted: the engine ran them one at a time (a passing run's
+    # log showed "Running: 1 reqs, Waiting: 7 reqs" at 52.6% of the cache)
+    brake = EngineBrake(capped_server.proc.pid)
+    try:
+        for _ in range(3):  # should one load still not preempt: again, rows checked each time
+            capped_server.reset_prefix_cache()
+            fillers = [tokens(rng, 600) for _ in range(3)]
+            with ThreadPoolExecutor(len(fillers) + len(prompts)) as pool:
+                brake.hold()
+                running = [pool.submit(capped_server.generate, ids, 1200) for ids in fillers]
+                time.sleep(0.5)  # the fillers first in the engine's queue: they hold most of the cache
+                scored = [pool.submit(capped_server.score, ids, p - 1) for ids in prompts]
+                time.sleep(1.0)
+                brake.release()
+                results = [f.result() for f in scored]
+                assert all(f.result().status == 200 for f in running)
+            for result, ids, rows in zip(results, prompts, want):
+                assert result.cached_tokens <= p - 1
+                assert rows_from(result, p, len(ids)) == rows
+            if capped_server.metric("vllm:num_preemptions_total") > before:
+                break
+    finally:
+        brake.release()
     assert capped_server.metric("vllm:num_preemptions_total") - before > 0
 
 
