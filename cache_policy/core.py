@@ -212,8 +212,6 @@ class Job:
         return self.admission.ticket if self.admission is not None else None
 
 
-
-
 class DecisionCore:
     """See the module docstring. Not thread-safe; every method is microseconds-scale
     except ``expire`` sweeps (amortized, at most once per ``now`` second)."""
