@@ -6,6 +6,7 @@ Every test first loads the checkpoint it starts from, so tests do not depend on 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import random
@@ -177,11 +178,18 @@ async def _probe_beside_a_held_stream(http, base_url, server):
 
     brake = EngineBrake(server.proc.pid)
     trace = aiohttp.TraceConfig()
+    throttle: list[contextlib.AbstractAsyncContextManager] = []
 
     async def run_engine(*_: object) -> None:
-        brake.release()
+        # a tenth of the time, not freely: a loaded CI host's probe requests once let a free
+        # engine decode the whole 16,000-token stream before the reset, in all three tries
+        if not throttle:
+            throttle.append(brake.throttled(run_s=0.003, stop_s=0.03))
+            await throttle[0].__aenter__()
 
     async def hold_engine(*_: object) -> None:
+        if throttle:
+            await throttle.pop().__aexit__(None, None, None)
         brake.hold()
 
     trace.on_request_start.append(run_engine)
@@ -200,6 +208,8 @@ async def _probe_beside_a_held_stream(http, base_url, server):
 
             outcome = await confirm_by_probe(probe_http, base_url, probe_reset, timeout_s=60)
         finally:
+            if throttle:
+                await throttle.pop().__aexit__(None, None, None)
             brake.release()
             long.cancel()
             await asyncio.gather(long, return_exceptions=True)
