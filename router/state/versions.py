@@ -131,7 +131,7 @@ class VersionSync:
                 with contextlib.suppress(TypeError, ValueError):
                     if isinstance(path, str) and path:
                         self.folders[int(version)] = path
-        live = {v for _, v in snapshot.loaded if v is not None} | {snapshot.current}
+        live = _live_versions(snapshot)
         for version in [v for v in self.folders if v not in live]:
             del self.folders[version]
 
@@ -147,7 +147,7 @@ class VersionSync:
         snapshot = core.versions_snapshot()
         data = snapshot.as_json()
         if folders:
-            live = {v for _, v in snapshot.loaded if v is not None} | {snapshot.current}
+            live = _live_versions(snapshot)
             data["folders"] = {str(v): p for v, p in folders.items() if v in live}
         text = json.dumps(data)
         try:
@@ -261,3 +261,9 @@ def _recomputed(raw: str | None) -> dict[str, bool]:
     except ValueError:
         return {}
     return {str(k): bool(v) for k, v in value.items()} if isinstance(value, dict) else {}
+
+
+def _live_versions(snapshot: VersionSnapshot) -> set[int | None]:
+    """The versions ``snapshot`` has served somewhere, and its current one: those whose folders
+    publications carry (:meth:`VersionSync.publish`) and routers keep (``VersionSync.folders``)."""
+    return {v for _, v in snapshot.loaded if v is not None} | {snapshot.current}

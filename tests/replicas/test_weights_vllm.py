@@ -160,8 +160,8 @@ async def test_probe_confirms_a_real_reset_and_not_a_refused_one(http, base_url,
 
 
 async def _probe_beside_a_held_stream(http, base_url, server):
-    """``confirm_by_probe`` with a long stream running, the engine held except while one of the
-    probe's own requests is out; returns its outcome and vLLM's answer to its reset (the last
+    """``confirm_by_probe`` with a long stream running, the engine held, and run a tenth of the
+    time while one of the probe's own requests is out; returns its outcome and vLLM's answer to its reset (the last
     one, if the probe tried more than once)."""
     # the stream advances only the few steps the probe's requests take. Read only up to its first
     # token, the stream does not keep vLLM's API server busy relaying it.
