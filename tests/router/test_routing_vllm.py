@@ -10,6 +10,7 @@ import pytest
 from replicas.metrics import delta
 from router import keys
 from replicas.ops import fetch_metrics
+from tests.engine_brake import EngineBrake
 from tests.router.conftest import unique_prompt
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="session")]
@@ -78,17 +79,20 @@ async def test_a_completion_with_n_samples_loads_its_replica_as_n_engine_request
         assert resp.status == 200
         rid = resp.headers["X-Rollout-Replica"]
         base = next(ep.base_url for ep in replica_set.endpoints if ep.replica_id == rid)
-        await resp.content.readany()
-        seen = []
-        for _ in range(300):  # the engine's own count, read independently of the router (<= 30 s)
-            seen.append((await fetch_metrics(router.http, base)).num_running)
-            if seen[-1] == 8:
-                break
-            await asyncio.sleep(0.1)
-        assert seen[-1] == 8 and core.in_flight(rid) == 8, (seen[-10:], core.in_flight(rid))
-        payload, other = await _complete(router, prompt)
-        assert other != rid and payload["rollout_router"]["route_reason"] == "balance", payload["rollout_router"]
-        resp.close()
+        # throttled, the 8 x 3,000 tokens last ~10x longer: a loaded CI host's engine decoded them
+        # all before the first read of its gauge (every read 0)
+        async with EngineBrake((await replica_set.info(rid)).pid).throttled():
+            await resp.content.readany()
+            seen = []
+            for _ in range(300):  # the engine's own count, read independently of the router (<= 30 s)
+                seen.append((await fetch_metrics(router.http, base)).num_running)
+                if seen[-1] == 8:
+                    break
+                await asyncio.sleep(0.1)
+            assert seen[-1] == 8 and core.in_flight(rid) == 8, (seen[-10:], core.in_flight(rid))
+            payload, other = await _complete(router, prompt)
+            assert other != rid and payload["rollout_router"]["route_reason"] == "balance", payload["rollout_router"]
+            resp.close()
     for _ in range(50):
         if core.in_flight(rid) == 0:
             break
