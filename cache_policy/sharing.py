@@ -36,6 +36,14 @@ def is_update_reason(reason: str | None) -> bool:
     return reason is not None and (reason == "updating" or reason.startswith("failed"))
 
 
+def left_paused(reason: str | None) -> bool:
+    """Whether a rotation ``reason`` says a weight update left the replica paused: ``failed: ...``
+    is set only when the update paused the engine and did not resume it (its weights undefined,
+    its resume failed, or its engine hangs: ``router.weights.steps.Steps._resume``). Nothing
+    kept there runs on until a later update resumes it."""
+    return reason is not None and reason.startswith("failed")
+
+
 @dataclass(frozen=True)
 class PeerLoad:
     """Other routers' admitted work on one replica, summed over routers.

@@ -79,6 +79,7 @@ async def forward(client: web.Request, parsed: ParsedRequest, token_ids: list[in
             watch = StreamWatch(flight.tokens, lambda cached: annotation(
                 job, core, expose_cached=expose, cached=cached, spans=flight.spans, reruns=life.reruns.get(job.id, 0),
                 tokens=flight.tokens))
+            flight.watch = watch
             resp = await relay_stream(client, life.http, url, body, route_headers(job, expose_cached=expose), watch,
                                       start=lambda aborted: life.answer_starts(job, aborted))
         else:

@@ -97,6 +97,9 @@ class Flight:
     on another replica, as after a 5xx, instead of again on any (a weight update's preemption)."""
     tokens: dict[int, int] = field(default_factory=dict)
     spans: list[dict[str, Any]] = field(default_factory=list)
+    watch: Any = None
+    """A stream's relay (``router.weights.report.StreamWatch``): :meth:`Lifecycle.left_paused`
+    ends it through this."""
 
     @property
     def answering(self) -> bool:
@@ -313,6 +316,20 @@ class Lifecycle:
         if n:
             log.warning("replica %s: %d request(s) in flight there run again elsewhere: %s", rid, n, reason)
         return n
+
+    def left_paused(self, rid: ReplicaId, reason: str) -> int:
+        """A weight update left ``rid`` paused (``cache_policy.sharing.left_paused``: its weights
+        undefined, its resume failed or its engine hangs; run by this router or, read from shared
+        state, by another): nothing there runs on until a later update resumes it. Attempts of
+        which nothing reached the client run again elsewhere (:meth:`abandon`); streams already
+        answering end now with an error event saying ``reason`` (``StreamWatch.end``) instead of
+        waiting ``router.request_timeout_s`` for tokens that never come. Returns the streams ended."""
+        self.abandon(rid, reason)
+        ended = sum(1 for flight in list(self.flights.get(rid, {}).values())
+                    if flight.streaming and flight.answering and flight.watch is not None and flight.watch.end(reason))
+        if ended:
+            log.warning("replica %s: %d stream(s) answering there end with an error event: %s", rid, ended, reason)
+        return ended
 
     def _rerun(self, job: Job, reason: str) -> None:
         rid = job.replica_id

@@ -317,6 +317,7 @@ async def relay_stream(client: web.Request, http: aiohttp.ClientSession, url: st
     A replica that fails after the first byte ends the stream with an error event (``FAILED``).
     """
     up = await _send(http, url, body)
+    watch.relaying(up.close)
     resp = web.StreamResponse(status=200, headers={**headers, "Cache-Control": "no-cache"})
     resp.content_type = "text/event-stream"
 
@@ -346,13 +347,14 @@ async def relay_stream(client: web.Request, http: aiohttp.ClientSession, url: st
         except ConnectionResetError:  # the client went away mid-stream: an expected outcome
             log.info("client disconnected from %s mid-stream; aborting upstream", url)
             up.close()  # dropping the upstream connection makes vLLM abort and free the KV cache
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:  # the replica failed mid-stream
-            up.close()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:  # the replica failed mid-stream, or was
+            up.close()                                                # left paused (``watch.ended``)
+            why = watch.ended or f"the replica failed mid-stream ({type(exc).__name__})"
             if not resp.prepared:  # before its first token: nothing reached the client
-                raise RetryElsewhere(f"the replica failed before the stream's first token on {url}: {exc!r}") from exc
-            log.warning("replica failed mid-stream on %s: %r; ending the stream with an error event", url, exc)
+                raise RetryElsewhere(f"{why} before the stream's first token on {url}: {exc!r}") from exc
+            log.warning("stream from %s ended mid-way: %s (%r); ending it with an error event", url, why, exc)
             resp[FAILED] = True
-            await _end_with_error(resp, f"the replica failed mid-stream ({type(exc).__name__}); retry the request")
+            await _end_with_error(resp, f"{why}; retry the request")
         return resp
     except BaseException:
         up.close()  # client went away, or the request is taken back: vLLM aborts it

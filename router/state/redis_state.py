@@ -17,6 +17,7 @@ import logging
 import time
 
 from cache_policy.core import DecisionCore, Job, RequestSpec
+from cache_policy.sharing import left_paused
 from router.state.peers import PeerSync, new_router_id, read_status, view_of
 from router.state.pins import PinSync, Seen
 from router.state.redis_client import GuardedRedis, StateUnavailable
@@ -232,9 +233,17 @@ class RedisState:
             await asyncio.sleep(0.02)
 
     def _applied(self, epoch: int, snapshot, moved: list, recomputed: dict) -> None:
-        """Another router's snapshot (``epoch``) was applied: mark this router's kept streams on
-        the replicas whose version moved (``Lifecycle.mark_new_spans``), then confirm the epoch
-        (``marked:<id>``), which the updater waits for before it resumes the engine."""
+        """Another router's snapshot (``epoch``) was applied: on a replica its update left paused
+        (``cache_policy.sharing.left_paused``) this router's work ends or moves at once
+        (``Lifecycle.left_paused``); mark this router's kept streams on the replicas whose version
+        moved (``Lifecycle.mark_new_spans``), then confirm the epoch (``marked:<id>``), which the
+        updater waits for before it resumes the engine."""
+        from router import keys
+
+        life = self.app[keys.LIFECYCLE] if self.app is not None and keys.LIFECYCLE in self.app else None
+        for rid, reason in snapshot.rotation if life is not None else ():
+            if left_paused(reason):
+                life.left_paused(rid, f"replica {rid} was left paused by another router's weight update that {reason}")
         task = asyncio.get_running_loop().create_task(self._mark(epoch, dict(snapshot.loaded), moved, recomputed))
         self._marking.add(task)
         task.add_done_callback(self._marking.discard)

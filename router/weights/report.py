@@ -17,6 +17,7 @@ narrowed to its own version when the answer says no prompt token came from the c
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from cache_policy.core import DecisionCore, Job
@@ -107,9 +108,27 @@ class StreamWatch:
     by a weight update at its boundary) and gives its final chunk the ``rollout_router`` object
     (``note(cached)``)."""
 
+    ended: str | None = None
+    """Why the stream was ended from outside (:meth:`end`), for its error event."""
+
     def __init__(self, tokens: dict[int, int], note) -> None:
         self.tokens = tokens
         self._note = note
+        self._close: Callable[[], None] | None = None
+
+    def relaying(self, close: Callable[[], None]) -> None:
+        """The stream's upstream response is open; ``close`` closes it (``router.proxy.relay_stream``)."""
+        self._close = close
+
+    def end(self, reason: str) -> bool:
+        """End the stream now (``Lifecycle.left_paused``): its upstream response is closed, so the
+        relay ends it with an error event saying ``reason`` (once answering; before, the request
+        runs again elsewhere). False when it is not relaying (yet, or any more)."""
+        if self._close is None or self.ended is not None:
+            return False
+        self.ended = reason
+        self._close()
+        return True
 
     def on_event(self, event: dict[str, Any]) -> None:
         """One ``data:`` event of the stream, decoded."""

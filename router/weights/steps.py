@@ -64,6 +64,9 @@ class ReplicaUpdate:
     """Requests the engine held at its ``keep`` pause, every router's (running + waiting by its
     ``/metrics``; None: not read): kept streams of other routers among them, which this router's
     own count misses, and which a prefix-cache reset must preempt or it is refused."""
+    ended_streams: int = 0
+    """This router's streams answering there that it ended with an error event because the update
+    left the engine paused (``Lifecycle.left_paused``; other routers end theirs on its publication)."""
     engine_hung: bool = False
     """Its pause got no answer (:data:`SETTLED_PAUSE_TIMEOUT_S`): the engine hangs; a replica this
     router launched is restarted (``WeightUpdater.restart_engine``) and then caught up."""
@@ -298,7 +301,9 @@ class Steps:
             self.core.set_rotation(rid, None)
             rec.in_rotation = True
         if not rec.in_rotation:
-            self.core.set_rotation(rid, f"failed: {rec.error}")
+            reason = f"failed: {rec.error}"  # left paused (sharing.left_paused): nothing kept there runs on
+            self.core.set_rotation(rid, reason)
+            rec.ended_streams = self.life.left_paused(rid, f"replica {rid} was left paused by a weight update that {reason}")
         rec.weight_version = self.core.versions.loaded.get(rid)
         rec.phase = "failed" if not rec.in_rotation else ("released" if released or rec.weights != "new" else "done")
         rec.seconds = time.monotonic() - rec.started

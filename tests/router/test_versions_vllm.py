@@ -11,9 +11,12 @@ import asyncio
 import contextlib
 import json
 import random
+import shutil
+import time
 
 import pytest
 
+from replicas.weights import update_weights
 from replicas.tiny_model import TinyModelSpec, ensure_tiny_model
 from router import keys
 from router.config import AppConfig
@@ -290,6 +293,69 @@ async def test_a_refused_commit_through_another_router_restores_the_folder_the_f
         assert (replica["weights"], replica["weight_version"], replica["in_rotation"]) == ("previous", 1, True), report
         note = whole(await asyncio.wait_for(streaming, 300))
         assert (note["weight_versions"], note["hybrid"]) == ([1], False), note  # resumed on what it ran on
+
+
+@contextlib.asynccontextmanager
+async def folder_gone(http, small, tmp_path, load):
+    """Version 1 loaded (``load(version, folder)``) from a copy of the seed-1 checkpoint that is
+    gone by the next update: a failed load then has no folder to restore, so the update leaves the
+    replica paused with undefined weights. The replica gets the seed-0 weights back at the end
+    (the next module sharing it reloads none), pausing with ``abort``: a ``wait`` pause let the
+    engine step a request it still held (the ended stream's abort not yet in) on the undefined
+    weights, and it died."""
+    folder = tmp_path / "v1"
+    shutil.copytree(SEED1, folder)
+    try:
+        await load(1, str(folder))
+        shutil.rmtree(folder)
+        yield str(tmp_path / "missing")
+    finally:
+        restored = await update_weights(http, small.endpoints[0].base_url, SEED0, reset_prefix_cache=True,
+                                        pause_mode="abort")
+        assert restored.ok and restored.resumed, restored
+
+
+async def ended_at_once(streaming: asyncio.Future, app, seconds: float = 60) -> dict:
+    """The error event a stream ended with, within ``seconds`` (``router.request_timeout_s`` is
+    600: waiting for tokens from a paused engine took that long), its flight gone."""
+    events = await asyncio.wait_for(streaming, seconds)
+    last = json.loads(events[-1][6:])
+    finishes = [c.get("finish_reason") for e in events[:-1] for c in json.loads(e[6:]).get("choices", [])]
+    assert "error" in last and "length" not in finishes, (last, finishes[-3:])
+    deadline = time.monotonic() + 10
+    while app[keys.LIFECYCLE].state_sizes()["flights"] and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert app[keys.LIFECYCLE].state_sizes() == {"flights": 0, "waiters": 0, "reruns": 0}
+    return last["error"]
+
+
+async def test_a_stream_kept_on_a_replica_its_update_left_paused_ends_at_once_with_an_error(http, small, tmp_path):
+    # a failed load without a folder to restore leaves the engine paused with undefined weights:
+    # the stream it kept got no token more and waited router.request_timeout_s (600 s) for a 502
+    async with router_for(small, "keep") as (url, app), EngineBrake((await small.info("replica-0")).pid) as brake, \
+            folder_gone(http, small, tmp_path, lambda v, f: update(http, url, v, f)) as missing:
+        streaming = await held_stream(http, url, app, brake, 11)
+        status, report = await update_beside(http, url, brake, version=2, weights_path=missing)
+        replica = report["replicas"][0]
+        assert status == 502 and (replica["weights"], replica["in_rotation"]) == ("undefined", False), report
+        error = await ended_at_once(streaming, app, 10)
+        assert (replica["kept_streams"], replica["ended_streams"]) == (1, 1), report
+        assert "replica replica-0 was left paused by a weight update that failed" in error["message"], error
+        assert error["code"] == 503 and error["message"].endswith("retry the request"), error
+
+
+async def test_a_stream_on_a_replica_another_routers_update_left_paused_ends_at_once(http, small, tmp_path):
+    # the same through two routers: B's update leaves the replica paused; A's kept stream ends
+    # once A applies B's publication (its rotation reason), not at A's request_timeout_s
+    async with two_routers(small, tmp_path, "xpaused:") as ((a_url, a), (b_url, _), brake), \
+            folder_gone(http, small, tmp_path, lambda v, f: update(http, a_url, v, f)) as missing:
+        streaming = await held_stream(http, a_url, a, brake, 12)
+        status, report = await update_beside(http, b_url, brake, version=2, weights_path=missing)
+        replica = report["replicas"][0]
+        assert status == 502 and (replica["weights"], replica["in_rotation"]) == ("undefined", False), report
+        error = await ended_at_once(streaming, a)
+        assert "left paused by another router's weight update that failed" in error["message"], error
+        assert replica["ended_streams"] == 0, report  # B had no stream there
 
 
 async def test_a_router_in_front_of_a_server_refuses_a_prompt_past_its_max_model_len_itself(small):
