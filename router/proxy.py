@@ -364,4 +364,5 @@ async def relay_stream(client: web.Request, http: aiohttp.ClientSession, url: st
                     await _end_with_error(resp, "the router stopped while streaming; retry the request")
         raise
     finally:
+        watch.relaying(None)  # ended: nothing to end any more
         up.release()

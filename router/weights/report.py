@@ -116,8 +116,9 @@ class StreamWatch:
         self._note = note
         self._close: Callable[[], None] | None = None
 
-    def relaying(self, close: Callable[[], None]) -> None:
-        """The stream's upstream response is open; ``close`` closes it (``router.proxy.relay_stream``)."""
+    def relaying(self, close: Callable[[], None] | None) -> None:
+        """The stream's upstream response is open and ``close`` closes it; None once the relay
+        ended (``router.proxy.relay_stream``)."""
         self._close = close
 
     def end(self, reason: str) -> bool:

@@ -284,3 +284,41 @@ async def test_a_stream_its_replica_breaks_ends_with_an_error_event_and_done():
     events = [line[6:] for line in text.split("\n") if line.startswith("data: ")]
     assert json.loads(events[0])["choices"][0]["text"] == "a"
     assert json.loads(events[1])["error"]["code"] == STREAM_ERROR_CODE and events[2] == "[DONE]"
+
+
+async def test_a_stream_ended_from_outside_says_why_and_ends_with_done():
+    # Lifecycle.left_paused: a replica a failed update left paused sends no token more; its
+    # streams are ended through their StreamWatch, the reason in the error event
+    relayed = asyncio.Event()
+
+    async def handle(reader, writer):
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+        event = b'data: {"choices": [{"text": "a"}]}\n\n'
+        writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+        await writer.drain()
+        await asyncio.sleep(30)  # paused: nothing more comes
+
+    server, url = await _server(handle)
+    watch = StreamWatch({}, lambda cached: {})
+    async with server, aiohttp.ClientSession() as upstream:
+        async def relay(request: web.Request) -> web.StreamResponse:
+            resp = await relay_stream(request, upstream, url + "/v1/completions", {"stream": True}, {}, watch,
+                                      start=lambda aborted: relayed.set())
+            assert resp[FAILED] is True
+            return resp
+
+        app = web.Application()
+        app.router.add_post("/relay", relay)
+        async with TestClient(TestServer(app)) as client:
+            answer = asyncio.ensure_future(client.post("/relay", json={}))
+            await asyncio.wait_for(relayed.wait(), 10)
+            await asyncio.sleep(0.05)
+            assert watch.end("replica r was left paused") and not watch.end("again")
+            r = await asyncio.wait_for(answer, 10)
+            text = await r.text()
+    events = [line[6:] for line in text.split("\n") if line.startswith("data: ")]
+    assert json.loads(events[0])["choices"][0]["text"] == "a" and events[2] == "[DONE]", events
+    error = json.loads(events[1])["error"]
+    assert error["code"] == STREAM_ERROR_CODE and error["message"] == "replica r was left paused; retry the request"
+    assert watch.tokens == {0: 1} and watch.ended == "replica r was left paused"
