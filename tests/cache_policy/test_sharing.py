@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from cache_policy.config import PolicyConfig
 from cache_policy.core import DecisionCore, ReplicaLoad, RequestSpec
@@ -153,3 +155,18 @@ def test_rendezvous_moves_only_the_keys_of_a_removed_replica():
     after = {k: rendezvous(k, three[:2]) for k in before}
     assert all(after[k] == v for k, v in before.items() if v != "r2")
     assert rendezvous("x", []) is None
+
+
+@given(st.lists(st.integers(0, 60), max_size=30), st.lists(st.integers(0, 60), max_size=30), st.booleans())
+def test_applied_history_is_the_union_of_both_whether_or_not_the_snapshot_only_adds(mine, theirs, extends):
+    # a snapshot that only adds to this router's history (the common case, taken without a set
+    # merge) and one that does not (a router that forgot or never saw some versions) both give
+    # the ascending union: requests resolve alike on every router
+    from cache_policy.sharing import apply_versions
+    from cache_policy.versions import VersionBook
+
+    book = VersionBook("keep", None)
+    book.history[:] = sorted(set(mine))
+    history = sorted(set(mine) | set(theirs)) if extends else sorted(set(theirs))
+    apply_versions(book, VersionSnapshot(None, "keep", tuple(history)), [])
+    assert book.history == sorted(set(mine) | set(history))
