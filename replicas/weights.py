@@ -241,13 +241,13 @@ class ReplicaControl:
         answer = await call(self.http, "POST", f"{self.base_url}/update_weight_version", body=body, timeout_s=30)
         return None if answer.ok else f"weights loaded but version label not set: {answer.describe()}"
 
-    async def resume(self) -> str | None:
-        """``/resume``, tried :data:`RESUME_ATTEMPTS` times."""
-        for _ in range(RESUME_ATTEMPTS):
-            answer = await call(self.http, "POST", f"{self.base_url}/resume", timeout_s=30)
+    async def resume(self, attempts: int = RESUME_ATTEMPTS, timeout_s: float = 30.0) -> str | None:
+        """``/resume``, tried ``attempts`` times, each waiting ``timeout_s`` seconds at most."""
+        for _ in range(attempts):
+            answer = await call(self.http, "POST", f"{self.base_url}/resume", timeout_s=timeout_s)
             if answer.ok:
                 return None
-        return f"resume failed {RESUME_ATTEMPTS} times, the replica may still be paused: {answer.describe()}"
+        return f"resume failed {attempts} time(s), the replica may still be paused: {answer.describe()}"
 
     async def start_transfer(self, timeout_s: float = 60.0) -> str | None:
         """``/start_weight_update`` (needs ``--weight-transfer-config``)."""

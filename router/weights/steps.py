@@ -120,6 +120,10 @@ class Steps:
         self.missed: set[ReplicaId] = set()
         """Replicas an update passed by because their engine was stalled (:meth:`hold`): brought to
         the fleet's version once they move again (``WeightUpdater.catch_up_recovered``)."""
+        self.hung: set[ReplicaId] = set()
+        """Replicas an update left paused because their pause got no answer (engine hung) and that
+        this router cannot restart (given by URL): resumed once their engine answers again, then
+        brought to the fleet's version (``WeightUpdater.catch_up_recovered``)."""
 
     def folder_of(self, rid: ReplicaId) -> str | None:
         """The folder of the weights ``rid`` serves now (what a failed load restores), if one is
@@ -294,7 +298,7 @@ class Steps:
             self.core.version_loaded(rid, None)
             rec.note("replica left paused: resuming with undefined weights would crash its engine")
         elif rec.engine_hung:  # a resume would wait on the hang as the pause did (3 x 30 s)
-            rec.note("not resumed: its engine hangs (it may hold the pause when it wakes; the next update resumes it)")
+            rec.note("not resumed: its engine hangs (it may hold the pause when it wakes)")
         elif rec.paused_at is None or rec.note(await ctl.resume()):
             if rec.paused_at is not None:
                 rec.paused_s = time.monotonic() - rec.paused_at

@@ -17,6 +17,7 @@ import logging
 import time
 from typing import Any, Awaitable, Callable
 
+from cache_policy.sharing import left_paused
 from cache_policy.types import ReplicaId
 from router.errors import NoReplica
 from router.lifecycle import Lifecycle
@@ -32,6 +33,8 @@ CATCH_UP_TRIES = 600
 """Attempts of one catch-up (each after an update in progress ended, or the retry wait)."""
 CATCH_UP_DRAIN_S = 60.0
 """The catch-up's drain: the replica is fresh and out of rotation, so nothing should be there."""
+REVIVE_TIMEOUT_S = 5.0
+"""How long one resume of a replica whose engine hung at an update waits for its answer."""
 
 
 class WeightUpdater:
@@ -46,6 +49,8 @@ class WeightUpdater:
         self.active: Update | None = None
         self.last: Update | None = None
         self._tasks: set[asyncio.Task] = set()
+        self._reviving: set[ReplicaId] = set()
+        """Replicas of ``Steps.hung`` whose resume is being tried now (:meth:`_revive`)."""
         self._owner: str | None = None
         self.restart_engine: Callable[[ReplicaId, str], bool] | None = None
         """Restart a replica this router launched whose engine hangs (``ReplicaSet.engine_stalled``:
@@ -125,6 +130,35 @@ class WeightUpdater:
                 self.steps.missed.discard(rid)
             elif rec.healthy and not self.core.stalled(rid, now) and rid not in self.core.versions.rotation:
                 self.rejoined(rid, "since an update passed it by while its engine was stalled")
+        for rid in list(self.steps.hung):
+            if rid not in self.core.replicas or not left_paused(self.core.versions.rotation.get(rid)):
+                self.steps.hung.discard(rid)  # it left, or an update took it along
+            elif rid not in self._reviving and self.active is None:
+                self._reviving.add(rid)
+                self._spawn(self._revive(rid))
+
+    async def _revive(self, rid: ReplicaId) -> None:
+        """Resume ``rid``, which an update left paused when its pause got no answer, if its engine
+        answers now (at most :data:`REVIVE_TIMEOUT_S`; else the next scrape round asks again); then
+        back in rotation on the weights it kept (nothing was loaded), or brought to the fleet's
+        version first (:meth:`rejoined`). Never raises."""
+        try:
+            if await self.steps.control(rid).resume(attempts=1, timeout_s=REVIVE_TIMEOUT_S) is not None:
+                return
+            if rid not in self.steps.hung or self.active is not None:
+                return  # an update began meanwhile: it takes the replica along
+            self.steps.hung.discard(rid)
+            log.warning("replica %s: its engine answered again after hanging at a weight update: resumed", rid)
+            if self.core.versions.loaded.get(rid) == self.core.versions.current:
+                self.core.set_rotation(rid, None)
+                self.life.rotation_changed()
+                await self.steps.publish()
+            else:  # out of rotation until then ("catching up")
+                self.rejoined(rid, "after its engine hung at an update")
+        except Exception as exc:  # noqa: BLE001 - a background task says why; the next round tries again
+            log.warning("replica %s: resuming it after its engine hung failed: %r", rid, exc)
+        finally:
+            self._reviving.discard(rid)
 
     async def catch_up(self, rid: ReplicaId, reason: str) -> None:
         """Bring ``rid`` to the fleet's current version: a one-replica folder update (hold,
@@ -240,12 +274,18 @@ class WeightUpdater:
 
     def _restart_if_hung(self, rid: ReplicaId, rec: ReplicaUpdate) -> None:
         """``rid``'s pause got no answer: restart it when this router launched it (the restart
-        brings it back on the model, then :meth:`rejoined` catches it up); else it stays out,
-        failed, until the next update or its operator."""
-        if rec.engine_hung and self.restart_engine is not None and self.restart_engine(
+        brings it back on the model, then :meth:`rejoined` catches it up); else (a server given by
+        URL) it stays out, failed, until its engine answers a resume (:meth:`catch_up_recovered`
+        asks each scrape round), the next update takes it along, or its operator restarts it."""
+        if not rec.engine_hung:
+            return
+        if self.restart_engine is not None and self.restart_engine(
                 rid, f"its engine did not answer a weight update's pause within {SETTLED_PAUSE_TIMEOUT_S:g} s (hung)"):
             rec.note("restarting it (launched by this router); it is brought to the fleet's version after")
             log.warning("replica %s: its engine did not answer the update's pause: restarting it", rid)
+            return
+        self.steps.hung.add(rid)
+        rec.note("resumed (and brought to the fleet's version) once its engine answers again")
 
     async def _hold(self, rid: ReplicaId, upd: Update) -> bool:
         return await self.steps.hold(rid, upd.replicas[rid])

@@ -166,3 +166,29 @@ async def test_an_engine_that_hangs_at_the_update_fails_its_pause_fast_and_is_re
             assert {r["replica"]: r["phase"] for r in aborted["replicas"]}["replica-1"] == "released", aborted
         assert [rid for rid, _ in asked] == ["replica-0"] and "did not answer" in asked[0][1]
         fakes[0].resume()
+
+
+async def test_a_server_whose_engine_hung_at_the_update_is_resumed_and_caught_up_once_it_answers(monkeypatch):
+    # a server given by URL cannot be restarted: its pause got no answer, and it stayed out,
+    # failed and paused (its engine took the queued pause when it woke) until the next update.
+    # Now each scrape round asks it to resume; once it answers, it is brought to the fleet's
+    # version and serves again
+    from router.weights import steps
+    monkeypatch.setattr(steps, "SETTLED_PAUSE_TIMEOUT_S", 0.5)
+    fakes = [FakeVllm(), FakeVllm()]
+    async with serving(fakes[0]) as u0, serving(fakes[1]) as u1, router([u0, u1], scrape_interval_s=0.1) as (url, app, _rs):
+        core = app[keys.CORE]
+        fakes[0].stall(control=True)
+        status, report = await post(url, "/admin/weights", {"version": 1, "weights_path": "ckpt-1", "policy": "salt"})
+        rows = {r["replica"]: r for r in report["replicas"]}
+        assert rows["replica-0"]["phase"] == "failed" and rows["replica-0"]["engine_hung"], report
+        assert rows["replica-1"]["phase"] == "done" and core.versions.current == 1, report
+        await asyncio.sleep(1.0)  # rounds ask it to resume; none is answered while it hangs
+        assert core.versions.rotation["replica-0"].startswith("failed") and fakes[0].loads == []
+        fakes[0].resume()  # it wakes: takes the queued pause, then the resume, then version 1
+        await until(lambda: _true(core.versions.loaded["replica-0"] == 1 and "replica-0" not in core.versions.rotation),
+                    15, "replica-0 resumed and caught up to version 1")
+        assert fakes[0].pauses[0] == "wait" and fakes[0].loads == ["ckpt-1"] and fakes[0]._unpaused.is_set()
+        texts, claimed = await tokens_from(url, "replica-0")
+        assert texts == [" wckpt-1"] * 2 and claimed == 1
+        assert "resumed (and brought to the fleet's version) once its engine answers again" in rows["replica-0"]["error"]
