@@ -49,8 +49,10 @@ class WeightUpdater:
         self.active: Update | None = None
         self.last: Update | None = None
         self._tasks: set[asyncio.Task] = set()
-        self._reviving: set[ReplicaId] = set()
-        """Replicas of ``Steps.hung`` whose resume is being tried now (:meth:`_revive`)."""
+        self._reviving: dict[ReplicaId, asyncio.Task] = {}
+        """Replicas of ``Steps.hung`` whose resume is being tried now (:meth:`_revive`): an update
+        holds one only once that resume is answered or timed out (:meth:`_hold`), so the resume
+        never lands after the update's pause."""
         self._owner: str | None = None
         self.restart_engine: Callable[[ReplicaId, str], bool] | None = None
         """Restart a replica this router launched whose engine hangs (``ReplicaSet.engine_stalled``:
@@ -134,8 +136,7 @@ class WeightUpdater:
             if rid not in self.core.replicas or not left_paused(self.core.versions.rotation.get(rid)):
                 self.steps.hung.discard(rid)  # it left, or an update took it along
             elif rid not in self._reviving and self.active is None:
-                self._reviving.add(rid)
-                self._spawn(self._revive(rid))
+                self._reviving[rid] = self._spawn(self._revive(rid))
 
     async def _revive(self, rid: ReplicaId) -> None:
         """Resume ``rid``, which an update left paused when its pause got no answer, if its engine
@@ -158,7 +159,7 @@ class WeightUpdater:
         except Exception as exc:  # noqa: BLE001 - a background task says why; the next round tries again
             log.warning("replica %s: resuming it after its engine hung failed: %r", rid, exc)
         finally:
-            self._reviving.discard(rid)
+            self._reviving.pop(rid, None)
 
     async def catch_up(self, rid: ReplicaId, reason: str) -> None:
         """Bring ``rid`` to the fleet's current version: a one-replica folder update (hold,
@@ -288,6 +289,9 @@ class WeightUpdater:
         rec.note("resumed (and brought to the fleet's version) once its engine answers again")
 
     async def _hold(self, rid: ReplicaId, upd: Update) -> bool:
+        reviving = self._reviving.get(rid)
+        if reviving is not None:  # its resume first (bounded by its own timeout), then this update's pause
+            await asyncio.wait({reviving}, timeout=REVIVE_TIMEOUT_S + 1)
         return await self.steps.hold(rid, upd.replicas[rid])
 
     async def _begin(self, upd: Update) -> dict[str, Any]:
