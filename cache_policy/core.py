@@ -787,7 +787,7 @@ class DecisionCore:
 
     def kv_versions(self, job: Job) -> list[int]:
         """Versions whose weights computed the KV ``job`` may reuse on its replica
-        (``VersionBook.kv_versions``); [] before it is placed."""
+        (``VersionBook.kv_versions``: ascending, each once); [] before it is placed."""
         rid = job.replica_id
         return self.versions.kv_versions(rid, job.choice) if rid is not None else []
 

@@ -161,7 +161,8 @@ class VersionBook:
                 and self.current - requested > max_staleness)
 
     def kv_versions(self, rid: ReplicaId, choice: SaltChoice) -> list[int]:
-        """Versions whose weights computed the KV a request with ``choice`` may reuse on ``rid``.
+        """Versions whose weights computed the KV a request with ``choice`` may reuse on ``rid``,
+        ascending, each once.
 
         Strict and salted: its salt's version alone. Salted, continuing a keep+salt key: its
         salt's version and every later version ``rid``'s cache has seen (hybrid blocks written

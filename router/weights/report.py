@@ -25,12 +25,16 @@ from cache_policy.core import DecisionCore, Job
 
 def first_span(core: DecisionCore, job: Job) -> dict[str, Any]:
     """The span a dispatched ``job`` starts with: its replica's version over the KV it may reuse."""
-    return span(job.weight_version, core.kv_versions(job), {})
+    return span(job.weight_version, core.kv_versions(job), {}, ordered=True)
 
 
-def span(version: int | None, kv_versions: list[int], from_token: dict[int, int]) -> dict[str, Any]:
-    """One span of tokens computed by ``version``'s weights over KV of ``kv_versions``."""
-    kv = sorted(set(kv_versions))
+def span(version: int | None, kv_versions: list[int], from_token: dict[int, int], *,
+         ordered: bool = False) -> dict[str, Any]:
+    """One span of tokens computed by ``version``'s weights over KV of ``kv_versions``;
+    ``ordered``: they are ascending, each once, already (``DecisionCore.kv_versions``: under
+    ``keep`` every version since the replica's last reset, 20,000 after a week of updates, which
+    sorting again took 0.35 ms per answer)."""
+    kv = list(kv_versions) if ordered else sorted(set(kv_versions))
     return {"weight_version": version, "kv_versions": kv, "hybrid": any(v != version for v in kv),
             "from_token": dict(from_token)}
 
