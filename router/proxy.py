@@ -334,6 +334,7 @@ async def relay_stream(client: web.Request, http: aiohttp.ClientSession, url: st
             start(aborted)
         await resp.prepare(client)
 
+    whole = False
     try:
         if up.status != 200:
             return UpstreamResult(up.status, await up.read())
@@ -341,6 +342,7 @@ async def relay_stream(client: web.Request, http: aiohttp.ClientSession, url: st
             tail = await relay_events(resp, up, watch, _TAIL_BYTES, begin)
             await resp.write_eof()
             resp[CACHED_TOKENS] = stream_cached_tokens(tail)
+            whole = True
         except _Refused as refused:  # as an error status before the stream: the caller answers it
             up.close()
             return UpstreamResult(refused.status, refused.raw)
@@ -365,4 +367,40 @@ async def relay_stream(client: web.Request, http: aiohttp.ClientSession, url: st
         raise
     finally:
         watch.relaying(None)  # ended: nothing to end any more
-        up.release()
+        if whole and not up.content.at_eof():  # [DONE] relayed, the response's end not read yet
+            _release_at_end(up)
+        else:
+            up.release()
+
+
+_END_WAIT_S = 2.0
+"""How long a stream's upstream response may take to end after its ``[DONE]`` (vLLM's end follows
+it at once) before its connection is closed instead of pooled."""
+_ENDING: set[asyncio.Task] = set()
+
+
+def _release_at_end(up: aiohttp.ClientResponse) -> None:
+    """Read the rest of ``up`` (after ``[DONE]``: the chunked body's end) off the request's path,
+    then give its connection back to the pool; closed after :data:`_END_WAIT_S` or on any error.
+    The relay stops at ``[DONE]`` (a client may close at once), and releasing a response not read
+    to its end closes its connection: every stream then opened a new one to its replica."""
+
+    async def finish() -> None:
+        try:
+            async with asyncio.timeout(_END_WAIT_S):
+                while await up.content.readany():
+                    pass
+            up.release()
+        except BaseException:
+            up.close()
+            raise
+
+    task = asyncio.get_running_loop().create_task(finish())
+    _ENDING.add(task)
+    task.add_done_callback(_ending_done)
+
+
+def _ending_done(task: asyncio.Task) -> None:
+    _ENDING.discard(task)
+    if not task.cancelled() and task.exception() is not None:  # its connection closed: nothing lost
+        log.debug("a stream's upstream response did not end cleanly after [DONE]: %r", task.exception())

@@ -71,6 +71,8 @@ class FakeVllm:
         """Streams in the engine: each one's abort."""
         self.pauses: list[str] = []
         self.loads: list[str] = []
+        self.connections: set = set()
+        """The client addresses completions came from: one per connection a client opened."""
         self.break_streams = 0
         """Streams (the next ones) whose connection is closed after the head, before any token."""
         self.error_streams = 0
@@ -163,6 +165,7 @@ class FakeVllm:
     async def _completions(self, request: web.Request) -> web.Response:
         body = await request.json()
         self.bodies.append(body)
+        self.connections.add(request.transport.get_extra_info("peername"))
         self.in_flight += 1
         try:
             await self._running.wait()

@@ -217,3 +217,18 @@ async def test_a_stream_read_to_its_end_by_the_openai_sdk_is_a_200_even_when_the
         requests = app[keys.METRICS].requests
         counted = {s: requests.labels("completions", s)._value.get() for s in ("200", "499")}
     assert counted == {"200": 4, "499": 0}, counted
+
+
+async def test_streams_whose_replica_ends_its_response_after_done_reuse_one_upstream_connection():
+    # the relay stops at [DONE] (the SDK closes there); the replica's response end came a moment
+    # later, unread, and releasing it closed the connection: every stream opened a new one
+    fake = FakeVllm()
+    fake.done_delay_s = 0.05
+    async with serving(fake) as u0, router([u0]) as (url, app, _rs):
+        async with aiohttp.ClientSession() as http:
+            for _ in range(5):
+                body = {"model": fake.model, "prompt": [5, 6, 7, 8], "max_tokens": 2, "stream": True}
+                async with http.post(url + "/v1/completions", json=body) as r:
+                    assert r.status == 200 and (await r.read()).endswith(b"data: [DONE]\n\n")
+                await asyncio.sleep(0.2)  # its end arrived: the connection is back in the pool
+    assert len(fake.bodies) == 5 and len(fake.connections) == 1, fake.connections
