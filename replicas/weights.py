@@ -72,7 +72,7 @@ from typing import Literal, get_args
 import aiohttp
 
 from replicas.metrics import parse_vllm_metrics
-from replicas.weights_http import Answer, call
+from replicas.weights_http import Answer, call, is_paused
 from replicas.weights_reset import (
     ResetOutcome,
     reset_prefix_cache_confirmed,
@@ -193,6 +193,11 @@ class ReplicaControl:
         self.pause_unanswered = False
         """The last :meth:`pause` got no answer within its timeout (the server took it and said
         nothing: a hung engine, as a pause of an idle engine answers at once)."""
+
+    async def is_paused(self, timeout_s: float = 5.0) -> bool | None:
+        """``GET /is_paused``: whether the engine is paused; None when it could not tell (no answer,
+        or a server without the dev endpoints, which nobody can pause either)."""
+        return await is_paused(self.http, self.base_url, timeout_s)
 
     async def pause(self, mode: PauseMode, timeout_s: float = DEFAULT_PAUSE_TIMEOUT_S) -> str | None:
         """``/pause?mode=...&clear_cache=false`` (the cache is reset only on purpose, confirmed).

@@ -86,3 +86,12 @@ def _vllm_message(body: Any) -> str:
         if err is not None:
             return str(err)
     return str(body)[:500]
+
+
+async def is_paused(http: aiohttp.ClientSession, base_url: str, timeout_s: float) -> bool | None:
+    """``GET /is_paused`` (vLLM's dev endpoint): whether the engine is paused; None when it could
+    not tell (no answer, or a server without the dev endpoints, which nobody can pause either)."""
+    answer = await call(http, "GET", f"{base_url}/is_paused", timeout_s=timeout_s)
+    if answer.ok and isinstance(answer.body, dict) and isinstance(answer.body.get("is_paused"), bool):
+        return answer.body["is_paused"]
+    return None

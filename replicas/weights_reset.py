@@ -17,7 +17,7 @@ from typing import Awaitable, Callable
 
 import aiohttp
 
-from replicas.weights_http import Answer, call
+from replicas.weights_http import Answer, call, is_paused
 
 PROBE_TOKEN = 100
 """Token id the probe prompt repeats; any vocabulary of a real model has it."""
@@ -101,8 +101,7 @@ async def confirm_by_probe(
     only if that finds 0 cached tokens. Needs an unpaused engine (a paused one would queue the
     probe) and ``--enable-prompt-tokens-details``; without either it returns not confirmed.
     """
-    paused = await call(http, "GET", f"{base_url}/is_paused", timeout_s=timeout_s)
-    if paused.ok and isinstance(paused.body, dict) and paused.body.get("is_paused"):
+    if await is_paused(http, base_url, timeout_s):
         return ResetOutcome(False, "no verdict from /reset_prefix_cache, and a paused engine "
                                    "cannot be probed", attempts)
     probe = _Probe(http, base_url, timeout_s)

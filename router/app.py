@@ -103,6 +103,7 @@ async def _http_session(app: web.Application) -> AsyncIterator[None]:
                                         shared=state, upstream=upstream)
         app[keys.WEIGHT_UPDATER] = updater = admin.make_updater(cfg, app[keys.LIFECYCLE])
         updater.restart_engine = getattr(app.get(fleet.FLEET), "engine_stalled", None)
+        await updater.hold_paused()
         if SHUTDOWN in app:  # a stopping router answers queued requests 503 + Retry-After at once
             app[SHUTDOWN].on_drain.append(app[keys.LIFECYCLE].refuse_queued)
         try:

@@ -103,6 +103,7 @@ class FakeVllm:
         if self.dev_mode:
             app.router.add_post("/pause", self._pause)
             app.router.add_post("/resume", self._resume)
+            app.router.add_get("/is_paused", self._is_paused)
             app.router.add_post("/collective_rpc", self._collective_rpc)
         return app
 
@@ -120,6 +121,10 @@ class FakeVllm:
             for abort in self._streams.values():
                 abort.set()
         return web.json_response({})
+
+    async def _is_paused(self, _: web.Request) -> web.Response:
+        await self._engine_call()
+        return web.json_response({"is_paused": not self._unpaused.is_set()})
 
     async def _resume(self, _: web.Request) -> web.Response:
         await self._engine_call()

@@ -192,3 +192,27 @@ async def test_a_server_whose_engine_hung_at_the_update_is_resumed_and_caught_up
         texts, claimed = await tokens_from(url, "replica-0")
         assert texts == [" wckpt-1"] * 2 and claimed == 1
         assert "resumed (and brought to the fleet's version) once its engine answers again" in rows["replica-0"]["error"]
+
+
+async def test_a_router_started_beside_a_paused_engine_keeps_it_out_until_an_update_takes_it_along():
+    # a fresh attacker: a router (local state) started while an update run by another, since
+    # stopped, had left a replica paused with undefined weights, put it in rotation at version 0;
+    # requests sent there hung until the stall rule or request_timeout_s
+    fakes = [FakeVllm(), FakeVllm()]
+    fakes[0]._unpaused.clear()  # paused, as a failed update elsewhere left it
+    async with serving(fakes[0]) as u0, serving(fakes[1]) as u1, router([u0, u1], scrape_interval_s=0.1) as (url, app, _rs):
+        core = app[keys.CORE]
+        reason = core.versions.rotation.get("replica-0") or ""
+        assert reason.startswith("failed: its engine was paused when this router started"), core.versions.rotation
+        assert core.versions.loaded["replica-0"] is None and "replica-1" not in core.versions.rotation
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
+            for i in range(6):  # every session lands on the replica that serves
+                body = {"prompt": PROMPT, "max_tokens": 1}
+                async with http.post(url + "/v1/completions", json=body, headers={"X-Session-Id": f"p{i}"}) as r:
+                    assert r.status == 200 and r.headers["X-Rollout-Replica"] == "replica-1"
+        status, report = await post(url, "/admin/weights", {"version": 1, "weights_path": "ckpt-1", "policy": "salt"})
+        assert status == 200 and {r["replica"]: r["phase"] for r in report["replicas"]} == \
+            {"replica-0": "done", "replica-1": "done"}, report
+        assert core.versions.loaded == {"replica-0": 1, "replica-1": 1} and not core.versions.rotation
+        texts, claimed = await tokens_from(url, "replica-0")
+        assert texts == [" wckpt-1"] * 2 and claimed == 1
