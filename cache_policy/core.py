@@ -46,7 +46,8 @@ from cache_policy.salts import WeightUpdatePolicy
 from cache_policy.types import Decision, ReplicaId, ReplicaView, RequestKind, RequestView, RouteReason
 from cache_policy.versions import SaltChoice, VersionBook
 
-Outcome = Literal["ok", "refused", "down", "unreachable", "retry", "abandoned", "preempted", "cancelled", "failed"]
+Outcome = Literal["ok", "refused", "down", "unreachable", "retry", "abandoned", "preempted", "cancelled", "ended",
+                  "failed"]
 """How a job ended: ``ok``; ``refused`` (the replica answered 4xx: it prefilled nothing);
 ``down`` (connection refused: the replica is marked unhealthy at once, the job may be placed
 again); ``unreachable`` (the connection failed, also on a fresh one: one more consecutive
@@ -59,7 +60,9 @@ answering: placed again elsewhere, no failure counted, it is counted out already
 ``Job.abandoned``); ``preempted`` (a weight update
 took the job back before anything reached the client, or its replica's version changed while
 it ran: placed again, on the same replica too, no failure counted); ``cancelled`` (the client
-went away); ``failed`` (any other error after dispatch)."""
+went away); ``ended`` (the router ended an answer it had begun: a stream on a replica a failed
+weight update left paused, ``router.lifecycle.Lifecycle.left_paused``; no failure counted, the
+replica's rotation says why); ``failed`` (any other error after dispatch)."""
 
 MAX_STALL_TIMEOUTS = 8
 """A stalled replica stays out ``stall_timeout_s`` times 1, 2, 4, then at most this, for each stall

@@ -118,6 +118,6 @@ async def forward(client: web.Request, parsed: ParsedRequest, token_ids: list[in
         return resp
 
     return await life.run(spec, attempt, status=lambda r: r.status,
-                          failed=lambda r: isinstance(r, web.StreamResponse) and bool(r.get(FAILED)),
+                          failed=lambda r: r.get(FAILED) if isinstance(r, web.StreamResponse) else None,
                           streaming=parsed.stream)
 

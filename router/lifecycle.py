@@ -50,6 +50,9 @@ QUIET_S, QUIET_MAX_S, QUIET_POLL_S = 0.1, 2.0, 0.025
 Attempt = Callable[[Job, ReplicaEndpoint], Awaitable[T]]
 MAX_ABORT_RERUNS = 3
 """Times one request runs again after its engine aborted it (``Lifecycle.aborted``)."""
+ENDED_REASON_CHARS = 300
+"""How much of the reason a stream ended by ``Lifecycle.left_paused`` says in its error event (an
+update's error holds vLLM's load and restore errors, over 1,000 characters)."""
 MAX_ABANDONS = 3
 """Times one request runs again elsewhere after its replica was found stalled or hung."""
 
@@ -140,11 +143,13 @@ class Lifecycle:
         """Sessions' ends on their way to shared state (referenced until done)."""
 
     async def run(self, spec: RequestSpec, attempt: Attempt[T], status: Callable[[T], int],
-                  failed: Callable[[T], bool] = lambda _: False, *, streaming: bool = False) -> T:
+                  failed: Callable[[T], Outcome | None] = lambda _: None, *, streaming: bool = False) -> T:
         """Open, place, admit and run ``attempt`` until it succeeds, is refused, or retries run out.
 
         ``streaming``: the attempt relays a stream (kept across weight updates once its first
-        token went, never re-run from then on).
+        token went, never re-run from then on). ``failed(result)``: the outcome of a result that
+        answered 2xx but ended badly (a stream ended by an error event: ``failed``, or ``ended``
+        by the router), else None.
         Raises Stale (409), NoReplica (503), Overloaded (429), UpstreamError (502) or the attempt's own errors.
         """
         if self.core.too_stale(spec.weight_version, getattr(self.cfg, "max_staleness", None)):
@@ -174,8 +179,8 @@ class Lifecycle:
                     continue
                 code = status(result)
                 outcome = "refused" if 400 <= code < 500 else "ok" if code < 400 else "failed"
-                if outcome == "ok" and failed(result):
-                    outcome = "failed"  # a stream its replica broke after it started: ended with an error event
+                if outcome == "ok":  # a stream its replica broke, or the router ended, after it started
+                    outcome = failed(result) or "ok"
                 return result
         except asyncio.CancelledError:
             outcome = "cancelled"
@@ -325,8 +330,10 @@ class Lifecycle:
         answering end now with an error event saying ``reason`` (``StreamWatch.end``) instead of
         waiting ``router.request_timeout_s`` for tokens that never come. Returns the streams ended."""
         self.abandon(rid, reason)
+        said = reason if len(reason) <= ENDED_REASON_CHARS else \
+            reason[:ENDED_REASON_CHARS] + "... (GET /admin/weights and /health give the whole reason)"
         ended = sum(1 for flight in list(self.flights.get(rid, {}).values())
-                    if flight.streaming and flight.answering and flight.watch is not None and flight.watch.end(reason))
+                    if flight.streaming and flight.answering and flight.watch is not None and flight.watch.end(said))
         if ended:
             log.warning("replica %s: %d stream(s) answering there end with an error event: %s", rid, ended, reason)
         return ended

@@ -31,8 +31,10 @@ from router.weights.stream import relay_events
 log = logging.getLogger(__name__)
 
 
-FAILED = web.ResponseKey("rollout_failed", bool)
-"""Set on a relayed stream its replica broke after it started (ended with an error event)."""
+FAILED = web.ResponseKey("rollout_failed", str)
+"""Set on a relayed stream that ended with an error event after it started: ``"failed"`` (its
+replica broke it) or ``"ended"`` (the router ended it: ``StreamWatch.end``), the outcome the
+lifecycle gives it (``cache_policy.core.Outcome``)."""
 CACHED_TOKENS = web.ResponseKey("rollout_cached_tokens", object)
 """Set on a relayed stream: the cached prompt tokens its usage chunk reported (None: no usage)."""
 
@@ -272,14 +274,27 @@ STREAM_ERROR_CODE = 503
 """The code of the error event that ends a stream its replica broke: retriable, as a 503 is."""
 
 
-async def _end_with_error(resp: web.StreamResponse, message: str) -> None:
-    """Close a started stream properly: an OpenAI-style error event, then ``[DONE]``."""
+async def _end_with_error(resp: web.StreamResponse, message: str, note: dict[str, Any] | None = None) -> None:
+    """Close a started stream properly: an OpenAI-style error event (with ``note``, the
+    ``rollout_router`` object of the tokens it did relay, when given), then ``[DONE]``."""
     event = error_body(STREAM_ERROR_CODE, message)
+    if note is not None:
+        event["rollout_router"] = note
     try:
         await resp.write(b"data: " + json.dumps(event).encode() + b"\n\ndata: [DONE]\n\n")
         await resp.write_eof()
     except (ConnectionResetError, RuntimeError):  # the client is gone too
         pass
+
+
+def _note_of(watch: Any) -> dict[str, Any] | None:
+    """The ``rollout_router`` object of the tokens a stream relayed before it broke (which versions
+    computed them); None when it cannot be built (the error event goes out all the same)."""
+    try:
+        return watch.final(None)
+    except Exception:  # noqa: BLE001 - a bug here must not keep the stream from its end
+        log.exception("the note of a stream ended by an error could not be built")
+        return None
 
 
 _DECODE = msgspec.json.Decoder().decode
@@ -355,8 +370,8 @@ async def relay_stream(client: web.Request, http: aiohttp.ClientSession, url: st
             if not resp.prepared:  # before its first token: nothing reached the client
                 raise RetryElsewhere(f"{why} before the stream's first token on {url}: {exc!r}") from exc
             log.warning("stream from %s ended mid-way: %s (%r); ending it with an error event", url, why, exc)
-            resp[FAILED] = True
-            await _end_with_error(resp, f"{why}; retry the request")
+            resp[FAILED] = "ended" if watch.ended else "failed"
+            await _end_with_error(resp, f"{why}; retry the request", _note_of(watch))
         return resp
     except BaseException:
         up.close()  # client went away, or the request is taken back: vLLM aborts it

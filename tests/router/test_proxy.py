@@ -273,7 +273,7 @@ async def test_a_stream_its_replica_breaks_ends_with_an_error_event_and_done():
         async def relay(request: web.Request) -> web.StreamResponse:
             resp = await relay_stream(request, upstream, url + "/v1/completions", {"stream": True}, {},
                                       StreamWatch({}, lambda cached: {}))
-            assert resp[FAILED] is True
+            assert resp[FAILED] == "failed"
             return resp
 
         app = web.Application()
@@ -300,12 +300,12 @@ async def test_a_stream_ended_from_outside_says_why_and_ends_with_done():
         await asyncio.sleep(30)  # paused: nothing more comes
 
     server, url = await _server(handle)
-    watch = StreamWatch({}, lambda cached: {})
+    watch = StreamWatch({}, lambda cached: {"weight_versions": [7], "cached": cached})
     async with server, aiohttp.ClientSession() as upstream:
         async def relay(request: web.Request) -> web.StreamResponse:
             resp = await relay_stream(request, upstream, url + "/v1/completions", {"stream": True}, {}, watch,
                                       start=lambda aborted: relayed.set())
-            assert resp[FAILED] is True
+            assert resp[FAILED] == "ended"
             return resp
 
         app = web.Application()
@@ -321,4 +321,6 @@ async def test_a_stream_ended_from_outside_says_why_and_ends_with_done():
     assert json.loads(events[0])["choices"][0]["text"] == "a" and events[2] == "[DONE]", events
     error = json.loads(events[1])["error"]
     assert error["code"] == STREAM_ERROR_CODE and error["message"] == "replica r was left paused; retry the request"
+    # the versions of the token it did get: a client keeping the partial answer can tell
+    assert json.loads(events[1])["rollout_router"] == {"weight_versions": [7], "cached": None}
     assert watch.tokens == {0: 1} and watch.ended == "replica r was left paused"

@@ -317,7 +317,8 @@ async def folder_gone(http, small, tmp_path, load):
 
 async def ended_at_once(streaming: asyncio.Future, app, seconds: float = 60) -> dict:
     """The error event a stream ended with, within ``seconds`` (``router.request_timeout_s`` is
-    600: waiting for tokens from a paused engine took that long), its flight gone."""
+    600: waiting for tokens from a paused engine took that long), its flight gone, no failure
+    counted against the replica (the update's doing, not its: three took it out of rotation)."""
     events = await asyncio.wait_for(streaming, seconds)
     last = json.loads(events[-1][6:])
     finishes = [c.get("finish_reason") for e in events[:-1] for c in json.loads(e[6:]).get("choices", [])]
@@ -326,6 +327,10 @@ async def ended_at_once(streaming: asyncio.Future, app, seconds: float = 60) -> 
     while app[keys.LIFECYCLE].state_sizes()["flights"] and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     assert app[keys.LIFECYCLE].state_sizes() == {"flights": 0, "waiters": 0, "reruns": 0}
+    assert app[keys.CORE].replicas["replica-0"].failures == 0
+    note = last["rollout_router"]  # the versions of the tokens it did relay: version 1's
+    assert (note["weight_versions"], len(note["spans"])) == ([1], 1), note
+    assert len(last["error"]["message"]) < 500, last["error"]  # the update's whole error is in its report
     return last["error"]
 
 
