@@ -259,13 +259,18 @@ async def test_concurrent_requests_to_an_aiohttp_server_each_get_their_own_answe
         await post_json(client, url, {"i": 0})  # closed
 
 
+async def _one_token_stream(reader, writer) -> None:
+    """Read a request, answer the head of an event stream and its first token's event."""
+    await reader.readuntil(b"\r\n\r\n")
+    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+    event = b'data: {"choices": [{"text": "a"}]}\n\n'
+    writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+    await writer.drain()
+
+
 async def test_a_stream_its_replica_breaks_ends_with_an_error_event_and_done():
     async def handle(reader, writer):
-        await reader.readuntil(b"\r\n\r\n")
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
-        event = b'data: {"choices": [{"text": "a"}]}\n\n'
-        writer.write(b"%x\r\n%s\r\n" % (len(event), event))
-        await writer.drain()
+        await _one_token_stream(reader, writer)
         writer.close()  # dies mid-stream: no terminating chunk
 
     server, url = await _server(handle)
@@ -292,11 +297,7 @@ async def test_a_stream_ended_from_outside_says_why_and_ends_with_done():
     relayed = asyncio.Event()
 
     async def handle(reader, writer):
-        await reader.readuntil(b"\r\n\r\n")
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
-        event = b'data: {"choices": [{"text": "a"}]}\n\n'
-        writer.write(b"%x\r\n%s\r\n" % (len(event), event))
-        await writer.drain()
+        await _one_token_stream(reader, writer)
         await asyncio.sleep(30)  # paused: nothing more comes
 
     server, url = await _server(handle)
