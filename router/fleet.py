@@ -239,7 +239,10 @@ async def add_replica(request: web.Request) -> web.Response:
         if held is not None:
             await shared.release_server(held, added)
     await request.app[FLEET].events.flush()  # the router follows it before answering
-    return web.json_response({"replica": endpoint.replica_id, "url": endpoint.base_url}, status=201)
+    answer = {"replica": endpoint.replica_id, "url": endpoint.base_url}
+    if url is not None and await request.app[keys.WEIGHT_UPDATER].hold_paused([endpoint.replica_id]):
+        answer["out_of_rotation_reason"] = request.app[keys.CORE].versions.rotation.get(endpoint.replica_id)
+    return web.json_response(answer, status=201)
 
 
 async def _claim_address(app: web.Application, url: str):

@@ -138,21 +138,22 @@ class WeightUpdater:
             elif rid not in self._reviving and self.active is None:
                 self._reviving[rid] = self._spawn(self._revive(rid))
 
-    async def hold_paused(self) -> list[ReplicaId]:
-        """Replicas whose engine is paused as this router starts (``GET /is_paused``, all at once,
-        5 s each): an update run by a router since stopped may have left them so, their weights
-        undefined, and only its memory knew (with shared state its publication says so, and is
-        applied after this). Each stays out of rotation, its version unknown, until an update
-        through this router takes it along (a replica out of rotation is a target): requests sent
-        there waited for the stall rule or ``router.request_timeout_s``. Returns them."""
-        rids = list(self.core.replicas)
+    async def hold_paused(self, rids: list[ReplicaId] | None = None) -> list[ReplicaId]:
+        """Those of ``rids`` (default: every replica) whose engine is paused (``GET /is_paused``,
+        all at once, 5 s each), asked as this router starts and as a server is registered: an
+        update run by a router since stopped may have left them so, their weights undefined, and
+        only its memory knew (with shared state its publication says so, and is applied after
+        this). Each stays out of rotation, its version unknown, until an update through this
+        router takes it along (a replica out of rotation is a target): requests sent there waited
+        for the stall rule or ``router.request_timeout_s``. Returns them."""
+        rids = list(self.core.replicas) if rids is None else [rid for rid in rids if rid in self.core.replicas]
         answers = await asyncio.gather(*(self.steps.control(rid).is_paused() for rid in rids), return_exceptions=True)
         paused = [rid for rid, answer in zip(rids, answers) if answer is True]
         for rid in paused:
-            log.warning("replica %s: its engine is paused as this router starts; out of rotation until an update "
+            log.warning("replica %s: its engine is paused as this router takes it; out of rotation until an update "
                         "through this router takes it along", rid)
             self.core.version_loaded(rid, None)
-            self.core.set_rotation(rid, "failed: its engine was paused when this router started (an update run "
+            self.core.set_rotation(rid, "failed: its engine was paused when this router took it (an update run "
                                         "elsewhere may have left it so, its weights unknown); the next update "
                                         "takes it along")
         if paused:

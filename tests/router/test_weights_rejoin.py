@@ -203,7 +203,7 @@ async def test_a_router_started_beside_a_paused_engine_keeps_it_out_until_an_upd
     async with serving(fakes[0]) as u0, serving(fakes[1]) as u1, router([u0, u1], scrape_interval_s=0.1) as (url, app, _rs):
         core = app[keys.CORE]
         reason = core.versions.rotation.get("replica-0") or ""
-        assert reason.startswith("failed: its engine was paused when this router started"), core.versions.rotation
+        assert reason.startswith("failed: its engine was paused when this router took it"), core.versions.rotation
         assert core.versions.loaded["replica-0"] is None and "replica-1" not in core.versions.rotation
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
             for i in range(6):  # every session lands on the replica that serves
@@ -216,3 +216,10 @@ async def test_a_router_started_beside_a_paused_engine_keeps_it_out_until_an_upd
         assert core.versions.loaded == {"replica-0": 1, "replica-1": 1} and not core.versions.rotation
         texts, claimed = await tokens_from(url, "replica-0")
         assert texts == [" wckpt-1"] * 2 and claimed == 1
+        third = FakeVllm()
+        third._unpaused.clear()  # a paused server registered later is held out the same way
+        async with serving(third) as u2:
+            status, body = await post(url, "/admin/replicas", {"url": u2})
+            assert status == 201 and body["out_of_rotation_reason"].startswith("failed: its engine was paused"), body
+            assert core.versions.loaded[body["replica"]] is None and body["replica"] in core.versions.rotation
+
