@@ -89,12 +89,13 @@ def run(versions: int, replicas: int, repeat: int) -> list[tuple[str, float, flo
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.version_growth", description=__doc__.split("\n\n")[0])
     p.add_argument("--versions", type=int, default=20_000, help="updates so far (default: a week at one every 30 s)")
-    p.add_argument("--replicas", type=int, default=8)
+    p.add_argument("--replicas", type=int, default=8, help="replicas in the book, each with every version (default 8)")
     p.add_argument("--repeat", type=int, default=50, help="calls timed per row (the median is printed)")
     args = p.parse_args(argv)
     rows = run(args.versions, args.replicas, args.repeat)
-    table = Table(title=f"{args.versions:,} weight versions, {args.replicas} replicas (median of {args.repeat})")
-    for col in ("what", "ours us", "before us", "before / ours"):
+    table = Table(title=f"{args.versions:,} weight versions, {args.replicas} replicas (median of {args.repeat}; "
+                        "microseconds; before: the same step done the old way, run here too)")
+    for col in ("what", "ours µs", "before µs", "before / ours"):
         table.add_column(col, justify="left" if col == "what" else "right")
     for what, ours, before in rows:
         table.add_row(what, f"{ours:,.1f}", "" if before is None else f"{before:,.1f}",
