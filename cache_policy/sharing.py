@@ -33,7 +33,7 @@ UPDATE_REASONS = ("updating", "failed")
 
 def is_update_reason(reason: str | None) -> bool:
     """Whether a rotation ``reason`` was set by a weight update (``updating``, ``failed: ...``)."""
-    return reason is not None and (reason == "updating" or reason.startswith("failed"))
+    return reason == "updating" or left_paused(reason)
 
 
 def left_paused(reason: str | None) -> bool:
