@@ -85,6 +85,8 @@ class ReplicaSet(Membership):
         next index, one at least that large that no router has used (``router.state``); None:
         this set's own counter."""
         self._leaving: set[int] = set()
+        self._launched: set[int] = set()
+        """Indices this set launched, kept through a restart (its actor is gone for a moment)."""
         self._endpoints: dict[int, ReplicaEndpoint] = {}
         self._actors: dict[int, object] = {}
         self._model_path = ""
@@ -144,6 +146,7 @@ class ReplicaSet(Membership):
         await self._supervisor.stop()
         await self.events.close()
         actors, self._actors = self._actors, {}
+        self._launched.clear()
         self._endpoints.clear()
         self.auth.clear()
         await asyncio.gather(*(self._stop_actor(a) for a in actors.values()))
@@ -179,7 +182,7 @@ class ReplicaSet(Membership):
         """Whether this set launched ``rid`` (from ``replicas.model``: a fresh start, or a
         restart, serves those weights, whatever the replica had loaded before)."""
         try:
-            return self.managed(replica_index(rid))
+            return replica_index(rid) in self._launched
         except KeyError:
             return False
 
@@ -219,6 +222,7 @@ class ReplicaSet(Membership):
     async def _drop(self, index: int) -> None:
         self._leaving.discard(index)
         self._forget_endpoint(index)
+        self._launched.discard(index)
         actor = self._actors.pop(index, None)
         if actor is not None:
             await self._stop_actor(actor)
@@ -286,6 +290,7 @@ class ReplicaSet(Membership):
         key = new_key()
         actor = VllmReplicaActor.options(num_gpus=num_gpus).remote(self.cfg, index, self._model_path, log_dir, key)
         self._actors[index] = actor
+        self._launched.add(index)
         info = await actor.start.remote()
         endpoint = await self._endpoint(index, info.base_url, info.block_size, info.num_gpu_blocks, key)
         self._endpoints[index] = endpoint

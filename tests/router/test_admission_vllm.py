@@ -41,8 +41,9 @@ async def test_overload_admission_keeps_prefixes_and_avoids_preemption(small):
     assert on.peak_kv_usage <= watermark + 0.1, on
     assert on.preemptions == 0, on
     assert on.reprefills <= continuing // 4 and on.reprefills < off.reprefills // 2, on
-    # admission off, same replica, same workload: the cache overflows
-    assert off.preemptions > 0, off
+    # admission off, same replica, same workload: the cache overflows (whether the engine also
+    # preempts depends on how many decodes overlap: a loaded CI host once ran them apart, 0)
+    assert off.peak_kv_usage >= watermark + 0.2, off
     assert off.reprefills >= continuing // 2, off
     assert on.prefilled_tokens < off.prefilled_tokens and on.hit_rate > off.hit_rate
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
 import pytest
@@ -74,25 +75,27 @@ async def test_a_completion_with_n_samples_loads_its_replica_as_n_engine_request
     prompt = unique_prompt(5, 300)
     body = {"prompt": prompt, "max_tokens": 3000, "ignore_eos": True, "stream": True, "n": 8}
     core = router.app[keys.CORE]
-    async with aiohttp.ClientSession() as own:
+    # both engines throttled from before the request is sent: a loaded CI host's engine decoded
+    # all 8 x 3,000 tokens before the first read of its gauge, once even with the throttle begun
+    # at the stream's first bytes (every read 0, the router's count 0 too)
+    async with contextlib.AsyncExitStack() as stack, aiohttp.ClientSession() as own:
+        for ep in replica_set.endpoints:
+            await stack.enter_async_context(EngineBrake((await replica_set.info(ep.replica_id)).pid).throttled())
         resp = await own.post(router.url + "/v1/completions", json=body)
         assert resp.status == 200
         rid = resp.headers["X-Rollout-Replica"]
         base = next(ep.base_url for ep in replica_set.endpoints if ep.replica_id == rid)
-        # throttled, the 8 x 3,000 tokens last ~10x longer: a loaded CI host's engine decoded them
-        # all before the first read of its gauge (every read 0)
-        async with EngineBrake((await replica_set.info(rid)).pid).throttled():
-            await resp.content.readany()
-            seen = []
-            for _ in range(300):  # the engine's own count, read independently of the router (<= 30 s)
-                seen.append((await fetch_metrics(router.http, base)).num_running)
-                if seen[-1] == 8:
-                    break
-                await asyncio.sleep(0.1)
-            assert seen[-1] == 8 and core.in_flight(rid) == 8, (seen[-10:], core.in_flight(rid))
-            payload, other = await _complete(router, prompt)
-            assert other != rid and payload["rollout_router"]["route_reason"] == "balance", payload["rollout_router"]
-            resp.close()
+        first = await resp.content.readany()
+        seen = []
+        for _ in range(300):  # the engine's own count, read independently of the router (<= 30 s)
+            seen.append((await fetch_metrics(router.http, base)).num_running)
+            if seen[-1] == 8:
+                break
+            await asyncio.sleep(0.1)
+        assert seen[-1] == 8 and core.in_flight(rid) == 8, (seen[-10:], core.in_flight(rid), first[:300])
+        payload, other = await _complete(router, prompt)
+        assert other != rid and payload["rollout_router"]["route_reason"] == "balance", payload["rollout_router"]
+        resp.close()
     for _ in range(50):
         if core.in_flight(rid) == 0:
             break
