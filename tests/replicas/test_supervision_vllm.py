@@ -7,6 +7,7 @@ Tests run in order: keys, SIGKILL of the API server, SIGKILL of the engine core,
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import stat
@@ -18,7 +19,6 @@ import pytest_asyncio
 
 from replicas.auth import ReplicaAuth
 from replicas.config import ReplicaSetConfig
-from replicas.ops import fetch_metrics
 from replicas.procs import group_members
 from tests.engine_brake import EngineBrake, engine_core_of
 from replicas.replica_set import ReplicaSet
@@ -57,25 +57,24 @@ async def watched():
         yield Watched(rs)
 
 
+async def _stream(http: aiohttp.ClientSession, url: str, max_tokens: int, first: asyncio.Event) -> tuple[int, dict]:
+    """Stream a completion to its end, setting ``first`` at its first token; its status and usage."""
+    body = {"model": SMALL.served_model_name, "prompt": [11, 12, 13, 14], "max_tokens": max_tokens,
+            "ignore_eos": True, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    usage: dict = {}
+    async with http.post(f"{url}/v1/completions", json=body) as resp:
+        async for line in resp.content:
+            if line.startswith(b"data: {"):
+                first.set()
+                usage = json.loads(line[6:]).get("usage") or usage
+        return resp.status, usage
+
+
 async def _complete(http: aiohttp.ClientSession, url: str, max_tokens: int = 4) -> tuple[int, dict]:
     body = {"model": SMALL.served_model_name, "prompt": [11, 12, 13, 14], "max_tokens": max_tokens,
             "ignore_eos": True, "temperature": 0}
     async with http.post(f"{url}/v1/completions", json=body) as resp:
         return resp.status, await resp.json(content_type=None)
-
-
-async def _running(http: aiohttp.ClientSession, url: str, request: asyncio.Task, timeout_s: float = 90) -> None:
-    """Wait until the replica reports a running request; fail at once, with its answer, if it ended first.
-
-    The first request on a freshly added engine may wait for its first compile on a loaded 2-core
-    machine (one CI run saw no running request within 30 s), hence the wide bound.
-    """
-    deadline = time.monotonic() + timeout_s
-    while (await fetch_metrics(http, url)).num_running == 0:
-        assert not request.done(), f"the request ended before it was seen running: {str(request.result())[:300]}"
-        assert time.monotonic() < deadline, "the request never started running"
-        await asyncio.sleep(0.05)
-        await asyncio.sleep(0.05)
 
 
 async def _gone(pgid: int, timeout_s: float) -> list[int]:
@@ -154,17 +153,22 @@ async def test_an_added_replica_serves_and_a_drain_lets_its_request_finish(watch
     assert [e.kind for e in await watched.next("added", 5)] == ["added"]
     assert added.replica_id == "replica-1" and [e.replica_id for e in rs.endpoints] == ["replica-0", "replica-1"]
     pgid = (await rs.info(added.replica_id)).pid
-    async with aiohttp.ClientSession(middlewares=(rs.auth,)) as router:
-        # throttled until seen running: a loaded host's engine decoded the 2,000 tokens before the
-        # gauge showed the request (a new user's full run); released, they take seconds more
-        async with EngineBrake(pgid).throttled():
-            request = asyncio.create_task(_complete(router, added.base_url, max_tokens=LONG_TOKENS))
-            await _running(router, added.base_url, request)
-        assert not request.done()
-        drained = await rs.remove(added.replica_id, drain_timeout_s=120)
+    first = asyncio.Event()
+    async with aiohttp.ClientSession(middlewares=(rs.auth,)) as router, EngineBrake(pgid) as brake:
+        # a stream, its first token proof that the engine runs it; the engine then held, so it is
+        # still running when the drain starts (throttled until the gauge showed it, a CI run's
+        # engine had decoded all 2,000 tokens by then, and a new user's before the gauge did)
+        request = asyncio.create_task(_stream(router, added.base_url, LONG_TOKENS, first))
+        await brake.hold_when(first.is_set, 120, max_run_s=0.02, what="the long request's first token",
+                              watch=[request])
+        drain = asyncio.create_task(rs.remove(added.replica_id, drain_timeout_s=120))
+        await asyncio.sleep(1.0)
+        assert not drain.done() and not request.done()  # the drain waits for the held request
+        brake.release()
+        drained = await drain
         assert request.done()  # the drain waited for it
-        status, payload = request.result()
-    assert drained and status == 200 and payload["usage"]["completion_tokens"] == LONG_TOKENS
+        status, usage = request.result()
+    assert drained and status == 200 and usage["completion_tokens"] == LONG_TOKENS, usage
     # health checks may time out while the drained replica decodes on a loaded machine (two full
     # runs saw unhealthy/healthy between the two): they must not restart it, nor change the order
     events = await watched.next("removed", 5)
