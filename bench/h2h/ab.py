@@ -118,7 +118,9 @@ OWN_SETTINGS = ("router.host", "router.port", "replicas.urls")
 
 def checkout(arg: str) -> Path | tuple[Path, dict[str, Any]]:
     """A ``checkouts`` argument: ``PATH`` or ``PATH@key=value,key=value`` (dotted config keys,
-    YAML values: ``.@router.busy_poll_ms=50``): that checkout's router runs with those settings.
+    YAML values: ``.@router.busy_poll_ms=50``): that checkout's router runs with those settings;
+    the key ``python`` (no section) names the interpreter it runs on instead of ab's own
+    (``.@python=/tmp/venv-other/bin/python``: two builds of CPython side by side).
     The settings start at the last ``@`` followed by an ``=`` somewhere (a path may hold ``@``).
     ArgumentTypeError for a setting that is not ``section.key=value``, a value that is not YAML,
     or one of :data:`OWN_SETTINGS`."""
@@ -128,6 +130,11 @@ def checkout(arg: str) -> Path | tuple[Path, dict[str, Any]]:
     settings: dict[str, Any] = {}
     for item in rest.split(","):
         key, eq, value = item.partition("=")
+        if key == "python":
+            if not (eq and os.access(value, os.X_OK) and Path(value).is_file()):
+                raise argparse.ArgumentTypeError(f"{arg!r}: python={value!r} is not an executable file")
+            settings[key] = value
+            continue
         if not eq or key.count(".") != 1 or not all(key.split(".")):
             raise argparse.ArgumentTypeError(f"{arg!r}: settings are section.key=value, got {item!r}")
         if key in OWN_SETTINGS:
@@ -139,14 +146,14 @@ def checkout(arg: str) -> Path | tuple[Path, dict[str, Any]]:
     return Path(path), settings
 
 
-def build_native(root: Path) -> None:
+def build_native(root: Path, python: str = sys.executable) -> None:
     """Build ``root``'s C extension in place (as ``scripts/setup.sh`` does; setuptools skips it when
     it is up to date) and check that its router would load it: a fresh ``git worktree`` has none,
     and a checkout running the pure-Python fallbacks measured ~1 ms slower than the same commit
     built. RuntimeError naming the checkout when either fails."""
     env = {**os.environ, "PYTHONPATH": str(root)}
-    steps = ([sys.executable, "setup.py", "-q", "build_ext", "--inplace"],
-             [sys.executable, "-c", "import sys; from cache_policy.native import NATIVE; sys.exit(NATIVE is None)"])
+    steps = ([python, "setup.py", "-q", "build_ext", "--inplace"],
+             [python, "-c", "import sys; from cache_policy.native import NATIVE; sys.exit(NATIVE is None)"])
     for argv in steps:
         done = subprocess.run(argv, cwd=root, env=env, capture_output=True, text=True, timeout=600)
         if done.returncode != 0:
@@ -163,8 +170,9 @@ async def run(checkouts: list[Path | tuple[Path, dict[str, Any]]], requests: int
     from replicas.tiny_model.generate import ensure_tiny_model
 
     tokenizer = str(await asyncio.to_thread(ensure_tiny_model))
-    for root in dict.fromkeys(c[0] if isinstance(c, tuple) else c for c in checkouts):
-        await asyncio.to_thread(build_native, root)
+    for root, python in dict.fromkeys((c[0], c[1].get("python", sys.executable)) if isinstance(c, tuple)
+                                      else (c, sys.executable) for c in checkouts):
+        await asyncio.to_thread(build_native, root, python)
     work = Path(tempfile.mkdtemp(prefix="h2h-ab-"))
     try:
         out = await _run(checkouts, requests, tokens, seed, warmup, spy_venv, rust, rust_venv, turns, tokenizer, work)
@@ -196,12 +204,14 @@ async def _run(checkouts, requests, tokens, seed, warmup, spy_venv, rust, rust_v
                 else:
                     root, settings = root if isinstance(root, tuple) else (root, {})
                     name, cwd = f"{k + 1}: {root}" + "".join(f" {key}={v}" for key, v in settings.items()), root
+                    settings = dict(settings)
+                    python = settings.pop("python", sys.executable)
                     specs[name], last_ours = OURS, name
                     own = config
                     if settings:
                         own = work / f"router-{k}.yaml"
                         own.write_text(yaml.safe_dump(nested([("replicas.urls", [urls[0]]), *settings.items()])))
-                    argv = [sys.executable, "-m", "router", "serve", "--config", str(own), "--host", "127.0.0.1",
+                    argv = [python, "-m", "router", "serve", "--config", str(own), "--host", "127.0.0.1",
                             "--port", str(port), "--log-level", "WARNING"]
                 logs[name] = work / f"router-{k}.log"
                 with open(logs[name], "ab") as log:
@@ -263,7 +273,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
                                 epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkouts", nargs="+", type=checkout,
                    help="folders holding this repository at the commits to compare; PATH@section.key=value,... "
-                        "runs that checkout's router with those settings (e.g. .@router.busy_poll_ms=50)")
+                        "runs that checkout's router with those settings (e.g. .@router.busy_poll_ms=50); "
+                        "PATH@python=INTERPRETER runs it on another Python build")
     p.add_argument("--requests", type=int, default=1000, help="timed requests per router (default 1000)")
     p.add_argument("--tokens", type=int, default=4000, help="token IDs per prompt (default 4000)")
     p.add_argument("--seed", type=int, default=0)

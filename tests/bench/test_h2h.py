@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import re
+import sys
 
 import aiohttp
 import pytest
@@ -172,9 +173,11 @@ def test_ab_runs_a_checkout_with_its_own_settings():
     assert checkout("/a@router.busy_poll_ms=50,policy.max_queue=7") == (
         Path("/a"), {"router.busy_poll_ms": 50, "policy.max_queue": 7})
     assert checkout("/p@q@router.x=1") == (Path("/p@q"), {"router.x": 1})
+    assert checkout(f"/a@python={sys.executable},router.x=1") == (Path("/a"), {"python": sys.executable, "router.x": 1})
     for bad, why in [("/a@busy_poll_ms=1", "settings are section.key=value, got 'busy_poll_ms=1'"),
                      ("/a@router.port=1", "router.port is set by ab itself"),
-                     ("/a@router.x=[1", "the value of router.x is not YAML")]:
+                     ("/a@router.x=[1", "the value of router.x is not YAML"),
+                     ("/a@python=/no/such/python", "python='/no/such/python' is not an executable file")]:
         with pytest.raises(argparse.ArgumentTypeError, match=re.escape(why)):
             checkout(bad)
     with pytest.raises(RuntimeError, match=r"2: .* router.max_body_bytes=1000 answered 413"):
