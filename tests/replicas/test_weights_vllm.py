@@ -150,8 +150,8 @@ async def test_probe_confirms_a_real_reset_and_not_a_refused_one(http, base_url,
     # CI run read 0 while the reset was refused for the stream's blocks
     tries = []
     for _ in range(3):
-        outcome, answer = await _probe_beside_a_held_stream(http, base_url, server)
-        tries.append((outcome, answer))
+        outcome, answer, story = await _probe_beside_a_held_stream(http, base_url, server)
+        tries.append((outcome, answer, story))
         if answer.ok and isinstance(answer.body, dict) and answer.body.get("success") is False:
             assert not outcome.confirmed and "still hit" in outcome.detail, tries
             return
@@ -161,8 +161,8 @@ async def test_probe_confirms_a_real_reset_and_not_a_refused_one(http, base_url,
 
 async def _probe_beside_a_held_stream(http, base_url, server):
     """``confirm_by_probe`` with a long stream running, the engine held, and run a tenth of the
-    time while one of the probe's own requests is out; returns its outcome and vLLM's answer to its reset (the last
-    one, if the probe tried more than once)."""
+    time while one of the probe's own requests is out; returns its outcome, vLLM's answer to its
+    reset (the last one, if the probe tried more than once) and :func:`_engine_story` after it."""
     # the stream advances only the few steps the probe's requests take. Read only up to its first
     # token, the stream does not keep vLLM's API server busy relaying it.
     body = {"model": MODEL, "prompt": prompt(99, 100), "max_tokens": 16000, "ignore_eos": True, "stream": True}
@@ -207,6 +207,9 @@ async def _probe_beside_a_held_stream(http, base_url, server):
                 return answers[-1]
 
             outcome = await confirm_by_probe(probe_http, base_url, probe_reset, timeout_s=60)
+            # what the engine says of the stream now, for a try that found it ended (still held:
+            # nothing moves while these are read)
+            story = await asyncio.to_thread(_engine_story, server, brake)
         finally:
             if throttle:
                 await throttle.pop().__aexit__(None, None, None)
@@ -214,7 +217,15 @@ async def _probe_beside_a_held_stream(http, base_url, server):
             long.cancel()
             await asyncio.gather(long, return_exceptions=True)
     assert answers, outcome
-    return outcome, answers[-1]
+    return outcome, answers[-1], story
+
+
+def _engine_story(server, brake) -> dict:
+    """The engine's own counts (running, finished, preempted, tokens generated) and the processes
+    the brake stops: why a try's stream no longer held its blocks, should one not."""
+    names = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:request_success_total",
+             "vllm:num_preemptions_total", "vllm:generation_tokens_total")
+    return {**{n.split(":")[1]: server.metric(n) for n in names}, "held": brake.held, "engine_pids": brake._engine}
 
 
 async def test_bad_path_with_restore_path_keeps_serving_the_previous_weights(http, base_url, tmp_path):

@@ -145,20 +145,28 @@ async def test_streaming_client_disconnect_aborts_upstream(router, replica_set):
     import aiohttp
 
     body = {"prompt": unique_prompt(3, 100), "max_tokens": 4000, "ignore_eos": True, "stream": True}
-    async with aiohttp.ClientSession() as own:
+    before = {ep.replica_id: (await fetch_metrics(router.http, ep.base_url)).generation_tokens
+              for ep in replica_set.endpoints}
+    # throttled: the engine cannot decode all 4,000 tokens before the client leaves, so the test
+    # tells an aborted request (its tokens stop short) from one that simply ran to its end
+    async with contextlib.AsyncExitStack() as stack, aiohttp.ClientSession() as own:
+        for ep in replica_set.endpoints:
+            await stack.enter_async_context(EngineBrake((await replica_set.info(ep.replica_id)).pid).throttled())
         resp = await own.post(router.url + "/v1/completions", json=body)
         assert resp.status == 200
         rid = resp.headers["X-Rollout-Replica"]
         await resp.content.readany()
         await resp.content.readany()
         resp.close()  # the client goes away mid-stream
-    base = next(ep.base_url for ep in replica_set.endpoints if ep.replica_id == rid)
-    for _ in range(50):
-        m = await fetch_metrics(router.http, base)
-        if m.num_running == 0:
-            break
-        await asyncio.sleep(0.1)
-    assert m.num_running == 0
+        base = next(ep.base_url for ep in replica_set.endpoints if ep.replica_id == rid)
+        for _ in range(100):
+            m = await fetch_metrics(router.http, base)
+            if m.num_running == 0:
+                break
+            await asyncio.sleep(0.1)
+        assert m.num_running == 0
+    generated = (await fetch_metrics(router.http, base)).generation_tokens - before[rid]
+    assert 0 < generated < 4000, generated  # stopped short: vLLM aborted it
     for _ in range(20):
         if router.app[keys.CORE].in_flight(rid) == 0:
             break
