@@ -57,7 +57,7 @@ class Fleet:
         for e in self.engines:
             router.add_replica(e.name, cfg.engine.block_size, cfg.engine.num_blocks)
         self.seq = SequenceHashes(cfg.engine.block_size)
-        self.rec = Recorder(cfg, [e.name for e in self.engines])
+        self.rec = Recorder(cfg.engine.block_size, cfg.bucket_s, [e.name for e in self.engines])
         self.heap: list = []
         self._armed: dict[str, int] = {}
         self._calls = 0

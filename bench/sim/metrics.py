@@ -21,7 +21,6 @@ import numpy as np
 
 if TYPE_CHECKING:
     from bench.sim.engine import Engine, SimRequest
-    from bench.sim.fleet import FleetConfig
     from bench.sim.workloads import Item
 
 _SYNTHETIC = 1 << 64
@@ -30,9 +29,11 @@ _SYNTHETIC = 1 << 64
 class Recorder:
     """Counters filled by the fleet loop; ``summary()`` is the table row."""
 
-    def __init__(self, cfg: FleetConfig, replicas: list[str]) -> None:
-        self.cfg = cfg
-        self.bs = cfg.engine.block_size
+    def __init__(self, block_size: int, bucket_s: float, replicas: list[str]) -> None:
+        """``block_size``: the engines' KV block in tokens; ``bucket_s``: the width of the
+        hit-rate-over-time windows in simulated seconds; ``replicas``: the engines' names."""
+        self.bs = block_size
+        self.bucket_s = bucket_s
         self.replicas = replicas
         self.items_open = 0
         self.decisions = 0
@@ -78,7 +79,7 @@ class Recorder:
         kind = self.by_kind[r.payload.item.workload]
         kind[0] += r.prompt_tokens
         kind[1] += r.prompt_tokens - r.cached_tokens
-        w = self.windows[int(r.arrival_s // self.cfg.bucket_s)]
+        w = self.windows[int(r.arrival_s // self.bucket_s)]
         w[0] += r.prompt_tokens
         w[1] += r.cached_tokens
 
@@ -132,7 +133,7 @@ class Recorder:
     def hit_series(self) -> tuple[list[float], list[float]]:
         """(window start s, hit rate) over arrival time."""
         keys = sorted(self.windows)
-        return ([k * self.cfg.bucket_s for k in keys],
+        return ([k * self.bucket_s for k in keys],
                 [self.windows[k][1] / self.windows[k][0] if self.windows[k][0] else 0.0 for k in keys])
 
 
