@@ -239,6 +239,22 @@ def relaying(app, rid: str, n: int = 1, most: int | None = None, settled_s: floa
     return cond
 
 
+def pause_answered(app, rid: str) -> Callable[[], bool]:
+    """A ``hold_when`` condition: the weight update that router ``app`` runs is past replica
+    ``rid``'s pause (its phase left ``queued`` and ``draining``), or no update runs there now.
+    A held engine only queues the pause (vLLM pauses in the engine core): releasing it after a
+    fixed sleep let a free engine finish the stream the update was meant to keep first."""
+    from router import keys
+
+    updater = app[keys.WEIGHT_UPDATER]
+
+    def cond() -> bool:
+        upd = updater.active
+        rec = upd.replicas.get(rid) if upd is not None else None
+        return rec is None or rec.phase not in ("queued", "draining")
+    return cond
+
+
 async def phase_reached(http, url: str, headers: dict, rid: str, phases: tuple[str, ...], timeout_s: float = 30) -> None:
     """Poll the router's ``GET /admin/weights`` until replica ``rid``'s update phase is one of ``phases``."""
     deadline = time.monotonic() + timeout_s

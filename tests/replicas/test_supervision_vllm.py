@@ -31,6 +31,8 @@ FAST = SupervisionConfig(interval_s=0.5, health_timeout_s=5, restart_after_failu
                          backoff_initial_s=0.1)
 GONE_WITHIN_S = 10.0
 BACK_WITHIN_S = 240.0
+FLAPS = ("unhealthy", "healthy")
+"""Health-check events a loaded host may publish between any two others (a 5 s /health timeout)."""
 LONG_TOKENS = 2000
 """Seconds of decoding on the tiny model: the request is still running when the drain starts."""
 
@@ -41,6 +43,12 @@ class Watched:
     def __init__(self, rs: ReplicaSet) -> None:
         self.rs, self.events = rs, asyncio.Queue()
         rs.subscribe(self.events.put_nowait)
+
+    def clear(self) -> None:
+        """Drop every event queued so far (a test's events start at its own action: a health
+        flap left by the test before, on a loaded host, is not this test's)."""
+        while not self.events.empty():
+            self.events.get_nowait()
 
     async def next(self, kind: str, timeout_s: float = BACK_WITHIN_S):
         """Events up to and including the next one of ``kind``; the last is that one."""
@@ -118,12 +126,13 @@ async def test_sigkilled_api_server_leaves_nothing_and_comes_back_at_a_new_url(w
     rpc_dir = _environ(pgid)["VLLM_RPC_BASE_PATH"]  # vLLM's ZMQ ipc:// socket files live there
     assert any(stat.S_ISSOCK(os.stat(os.path.join(rpc_dir, f)).st_mode) for f in os.listdir(rpc_dir))
     assert _environ(pgid)["TMPDIR"] == rpc_dir  # and its other temp files (the vllm_dist_* file store)
+    watched.clear()
     os.kill(pgid, signal.SIGKILL)
     assert await _gone(pgid, GONE_WITHIN_S) == []
     events = await watched.next("restarted")
     assert not os.path.exists(rpc_dir)  # a killed engine leaves none of them behind
     # a health check may fail before the supervisor sees the process gone (a loaded machine)
-    assert [e.kind for e in events if e.kind != "unhealthy"] == ["restarting", "restarted"], events
+    assert [e.kind for e in events if e.kind not in FLAPS] == ["restarting", "restarted"], events
     assert events[0].kind in ("unhealthy", "restarting")
     new = events[-1].endpoint
     assert new.replica_id == old.replica_id and new.base_url != old.base_url and new.api_key != old.api_key
@@ -138,6 +147,7 @@ async def test_sigkilled_engine_core_is_noticed_and_the_replica_restarted(watche
     rs = watched.rs
     old = rs.endpoints[0]
     pgid, core = await engine_core_of(rs, old.replica_id)
+    watched.clear()
     os.kill(core, signal.SIGKILL)
     events = await watched.next("restarted")
     assert events[0].kind in ("unhealthy", "restarting") and events[-1].endpoint.base_url != old.base_url
@@ -149,8 +159,9 @@ async def test_sigkilled_engine_core_is_noticed_and_the_replica_restarted(watche
 
 async def test_an_added_replica_serves_and_a_drain_lets_its_request_finish(watched):
     rs = watched.rs
-    added = await rs.add()
-    assert [e.kind for e in await watched.next("added", 5)] == ["added"]
+    watched.clear()
+    added = await rs.add()  # a second engine starting on 2 cores: replica-0's health may flap meanwhile
+    assert [e.kind for e in await watched.next("added", 5) if e.kind not in FLAPS] == ["added"]
     assert added.replica_id == "replica-1" and [e.replica_id for e in rs.endpoints] == ["replica-0", "replica-1"]
     pgid = (await rs.info(added.replica_id)).pid
     first = asyncio.Event()
@@ -172,5 +183,5 @@ async def test_an_added_replica_serves_and_a_drain_lets_its_request_finish(watch
     # health checks may time out while the drained replica decodes on a loaded machine (two full
     # runs saw unhealthy/healthy between the two): they must not restart it, nor change the order
     events = await watched.next("removed", 5)
-    assert [e.kind for e in events if e.kind not in ("unhealthy", "healthy")] == ["draining", "removed"], events
+    assert [e.kind for e in events if e.kind not in FLAPS] == ["draining", "removed"], events
     assert [e.replica_id for e in rs.endpoints] == ["replica-0"] and await _gone(pgid, GONE_WITHIN_S) == []

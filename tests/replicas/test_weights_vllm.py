@@ -93,49 +93,60 @@ async def test_reset_prefix_cache_true_confirms_and_removes_the_hit(http, base_u
     assert result.seconds < 30, result  # about 0.1 s on an idle tiny model
 
 
-async def test_wait_mode_lets_the_in_flight_request_finish_before_loading(http, base_url):
+async def test_wait_mode_lets_the_in_flight_request_finish_before_loading(http, base_url, server):
+    # held at its first token, then run a tenth of the time: the 2,000 tokens outlast the
+    # update's own steps, so "the pause waited for it" is not a free engine having finished first
+    # (300 tokens, run freely, were done before the pause arrived in most runs: the test would
+    # have passed with a pause that did not wait)
     await _load(http, base_url, SEED0)
-    async with LongStream(http, base_url, max_tokens=300) as stream:
-        await stream.wait_started()
-        result = await update_weights(http, base_url, SEED1, pause_mode="wait", reset_prefix_cache=True)
-        assert stream.task.done(), "pause(wait) returned while the request was still running"
+    async with EngineBrake(server.proc.pid) as brake, LongStream(http, base_url, max_tokens=2000) as stream:
+        await brake.hold_when(stream.started.is_set, 120, max_run_s=0.02, what="the stream's first token",
+                              watch=[stream.task])
+        update = asyncio.ensure_future(update_weights(http, base_url, SEED1, pause_mode="wait",
+                                                      reset_prefix_cache=True))
+        async with brake.throttled():
+            result = await update
+            assert stream.task.done(), "pause(wait) returned while the request was still running"
     assert result.ok and result.reset_confirmed is True, result
-    assert (stream.finish_reason, stream.completion_tokens) == ("length", 300)
+    assert (stream.finish_reason, stream.completion_tokens) == ("length", 2000)
 
 
-async def test_keep_mode_with_a_request_in_flight_never_skips_the_reset_silently(http, base_url):
-    # the tiny model decodes 3,000 tokens in well under a second: on a loaded host the update
-    # may come after the stream is (nearly) done, which proves nothing (one CI run saw it end
-    # first): such a run is tried again, at most twice more
-    for _ in range(3):
-        repeated = await _loaded_and_cached(http, base_url, SEED1, prompt(4, 100))
-        async with LongStream(http, base_url, max_tokens=3000) as stream:
-            await stream.wait_started()
+async def test_keep_mode_with_a_request_in_flight_never_skips_the_reset_silently(http, base_url, server):
+    # the stream is held at its first token and the update runs with the engine throttled: the
+    # frozen request still holds its KV blocks at the reset, so vLLM refuses a plain reset, and
+    # the update must say so (before, a free engine could finish the stream before the pause,
+    # and the branch for a confirmed reset passed with nothing in flight)
+    repeated = await _loaded_and_cached(http, base_url, SEED1, prompt(4, 100))
+    async with EngineBrake(server.proc.pid) as brake, LongStream(http, base_url, max_tokens=16000) as stream:
+        await brake.hold_when(stream.started.is_set, 120, max_run_s=0.02, what="the stream's first token",
+                              watch=[stream.task])
+        async with brake.throttled():
             result = await update_weights(http, base_url, SEED0, pause_mode="keep", reset_prefix_cache=True,
                                           reset_timeout_s=1.0)
-            assert result.reset_confirmed is not None and result.resumed and result.weights == "new", result
-            if stream.task.done() or stream.chunks > 3000 - 200:
-                continue
-            if result.reset_confirmed:
-                assert result.ok and await _cached(http, base_url, repeated) == 0
-            else:  # vLLM refused: the frozen request holds KV blocks; the cache really is still there
-                assert not result.ok and "prefix cache not reset" in result.error, result
-                assert await _cached(http, base_url, repeated) == 96
-            await stream.more_chunks(50)  # the kept request goes on decoding after resume
+            assert not stream.task.done(), stream.finish_reason
+            assert result.reset_confirmed is False and result.resumed and result.weights == "new", result
+            assert not result.ok and "prefix cache not reset" in result.error, result
+            assert await _cached(http, base_url, repeated) == 96  # the cache really is still there
+            await stream.more_chunks(1)  # the kept request goes on decoding after resume
             assert stream.finish_reason is None
-            return
-    pytest.fail("the 3,000-token stream was (nearly) done before the update's pause in 3 tries")
 
 
-async def test_keep_mode_with_preempt_running_resets_and_the_request_completes(http, base_url):
+async def test_keep_mode_with_preempt_running_resets_and_the_request_completes(http, base_url, server):
+    # held at its first token and throttled through the update: the reset must preempt a request
+    # that is really running (vLLM counts it in vllm:num_preemptions_total), which then completes
     repeated = await _loaded_and_cached(http, base_url, SEED0, prompt(5, 100))
-    async with LongStream(http, base_url, max_tokens=600) as stream:
-        await stream.wait_started()
-        result = await update_weights(http, base_url, SEED1, pause_mode="keep", reset_prefix_cache=True,
-                                      preempt_running=True)
-        assert result.ok and result.reset_confirmed is True, result
+    preempted = await asyncio.to_thread(server.metric, "vllm:num_preemptions_total")
+    async with EngineBrake(server.proc.pid) as brake, LongStream(http, base_url, max_tokens=2000) as stream:
+        await brake.hold_when(stream.started.is_set, 120, max_run_s=0.02, what="the stream's first token",
+                              watch=[stream.task])
+        async with brake.throttled():
+            result = await update_weights(http, base_url, SEED1, pause_mode="keep", reset_prefix_cache=True,
+                                          preempt_running=True)
+            assert result.ok and result.reset_confirmed is True, result
+            assert not stream.task.done(), stream.finish_reason
         await asyncio.wait_for(asyncio.shield(stream.task), timeout=300)
-    assert (stream.finish_reason, stream.completion_tokens) == ("length", 600)
+    assert (stream.finish_reason, stream.completion_tokens) == ("length", 2000)
+    assert await asyncio.to_thread(server.metric, "vllm:num_preemptions_total") > preempted
     assert await _cached(http, base_url, repeated) == 0
 
 

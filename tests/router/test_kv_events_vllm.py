@@ -59,18 +59,15 @@ async def complete(http, rs, prompt: list[int], salt: str | None = None) -> int:
     return (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
 
 
-async def settled(sub, rid, quiet_s: float = 0.6, timeout_s: float = 20.0) -> None:
-    """Wait until no batch arrived for ``quiet_s`` (the engine published this step's events)."""
+async def applied(index, rid, prompt, tokens: int, salt=None, timeout_s: float = 20.0) -> None:
+    """Until the index predicts ``tokens`` cached for ``prompt`` on ``rid`` (at most
+    ``timeout_s``; the test's own assertion follows): the BlockStored events of that request are
+    applied, and so, since a replica's events arrive and apply in order, is every event its
+    engine published before them. (A quiet spell of 0.6 s without batches stood in for this
+    before, and a subscriber lagging more than that on a loaded host would read a stale index.)"""
     deadline = time.monotonic() + timeout_s
-    last, since = -1, time.monotonic()
-    while time.monotonic() < deadline:
-        now = sub.stats(rid).batches
-        if now != last:
-            last, since = now, time.monotonic()
-        elif time.monotonic() - since >= quiet_s:
-            return
+    while predicted_tokens(index, prompt, rid, salt) != tokens and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
-    raise AssertionError("KV events did not settle")
 
 
 def predicted_tokens(index, prompt, rid, salt=None) -> int:
@@ -84,11 +81,13 @@ async def test_stored_blocks_are_confirmed_and_evicted_ones_forgotten(fed) -> No
     rid = rs.endpoints[0].replica_id
     old = unique_prompt(100, 6 * BS + 8)
     await complete(http, rs, old)
-    await settled(sub, rid)
+    await applied(index, rid, old, 6 * BS)
     assert predicted_tokens(index, old, rid) == 6 * BS and index.confirmed_of(rid) >= 6
     for i in range(8):  # 8 x 7 blocks > 48: the old prompt's blocks are evicted
         await complete(http, rs, unique_prompt(200 + i, 7 * BS))
-    await settled(sub, rid)
+    marker = unique_prompt(299, BS + 1)  # its block stored after every eviction the loop caused
+    await complete(http, rs, marker)
+    await applied(index, rid, marker, BS)
     predicted = predicted_tokens(index, old, rid)
     assert predicted < 6 * BS
     assert await complete(http, rs, old) == predicted
@@ -101,11 +100,11 @@ async def test_salts_arrive_in_events_and_keep_versions_apart(fed) -> None:
     rid = rs.endpoints[0].replica_id
     prompt = unique_prompt(300, 4 * BS + 3)
     await complete(http, rs, prompt, salt="v1")
-    await settled(sub, rid)
+    await applied(index, rid, prompt, 4 * BS, "v1")
     assert predicted_tokens(index, prompt, rid, "v1") == 4 * BS
     assert predicted_tokens(index, prompt, rid, "v2") == 0 and predicted_tokens(index, prompt, rid) == 0
     assert await complete(http, rs, prompt, salt="v2") == 0
-    await settled(sub, rid)
+    await applied(index, rid, prompt, 4 * BS, "v2")
     assert predicted_tokens(index, prompt, rid, "v2") == 4 * BS
     assert await complete(http, rs, prompt, salt="v1") == 4 * BS
 
@@ -115,14 +114,14 @@ async def test_prefix_cache_reset_empties_the_replicas_entries(fed) -> None:
     rid = rs.endpoints[0].replica_id
     before = unique_prompt(400, 3 * BS + 1)
     await complete(http, rs, before)
-    await settled(sub, rid)
+    await applied(index, rid, before, 3 * BS)
     assert index.blocks_of(rid) >= 3
     resets = sub.applier.counts(rid).resets
     assert await ops.reset_prefix_cache(rs.health_session, rs.endpoints[0].base_url)
     # vLLM publishes AllBlocksCleared with its next engine step: run one (a 1-block prompt)
     probe = unique_prompt(401, BS + 1)
     await complete(http, rs, probe)
-    await settled(sub, rid)
+    await applied(index, rid, probe, BS)  # stored after the reset: the clear is applied too
     assert sub.applier.counts(rid).resets == resets + 1
     assert predicted_tokens(index, before, rid) == 0 and index.blocks_of(rid) == 1  # the probe's block only
     assert await complete(http, rs, before) == 0
@@ -136,8 +135,9 @@ async def test_a_gap_is_repaired_from_the_replay_socket(fed) -> None:
     await complete(http, rs, missed)  # published while nobody listens
     await asyncio.sleep(0.5)
     sync_watches(sub, rs.endpoints)  # a fresh subscription expects 0: replays the whole buffer
-    await complete(http, rs, unique_prompt(501, 2 * BS))  # a live batch reveals the gap
-    await settled(sub, rid)
+    live = unique_prompt(501, 2 * BS)
+    await complete(http, rs, live)  # a live batch reveals the gap
+    await applied(index, rid, live, BS)  # applied after the repair it set off
     assert sub.stats(rid).gaps_repaired >= 1 and sub.stats(rid).gaps_lost == 0
     assert predicted_tokens(index, missed, rid) == 5 * BS
     assert await complete(http, rs, missed) == 5 * BS
@@ -148,7 +148,7 @@ async def test_subscriber_follows_a_restarted_replica(fed) -> None:
     rid = rs.endpoints[0].replica_id
     before = unique_prompt(600, 3 * BS + 1)
     await complete(http, rs, before)
-    await settled(sub, rid)
+    await applied(index, rid, before, 3 * BS)
     assert predicted_tokens(index, before, rid) == 3 * BS
     old_source = rs.endpoints[0].kv_events
     await rs.restart(rid)
@@ -157,6 +157,6 @@ async def test_subscriber_follows_a_restarted_replica(fed) -> None:
     assert index.blocks_of(rid) == 0
     after = unique_prompt(601, 4 * BS + 1)
     await complete(http, rs, after)
-    await settled(sub, rid)
+    await applied(index, rid, after, 4 * BS)
     assert predicted_tokens(index, after, rid) == 4 * BS and predicted_tokens(index, before, rid) == 0
     assert await complete(http, rs, before) == 0

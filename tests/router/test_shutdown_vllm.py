@@ -22,13 +22,15 @@ from pathlib import Path
 
 import pytest
 
+from tests.engine_brake import EngineBrake, engine_core_pids
+
 pytestmark = pytest.mark.vllm
 START_TIMEOUT_S = 400
-LONG_TOKENS = 16000
-"""Still running when the signal comes (and 0.5 s later): 8,000 tokens once took ~15 s on the
-tiny model, but a fast host decodes them in under 3 s, and a CI run saw the request finish,
-the drain find nothing and the router stop before the test's second request (connection
-refused). The replica's max_model_len (16,384) bounds it."""
+LONG_TOKENS = 2000
+"""The long request's tokens. It is still running at the signal by construction: the replica's
+engine is held (SIGSTOP, ``tests.engine_brake``) from before it is sent until the second request
+was refused (a CI run once saw a free engine finish it, the drain find nothing and the router stop
+before the test's second request: connection refused)."""
 
 
 def _free_port() -> int:
@@ -65,6 +67,36 @@ def _wait_in_flight(port: int, timeout_s: float = 60.0) -> None:
                     return
         time.sleep(0.1)
     raise AssertionError(f"no request in flight on the router after {timeout_s:g} s")
+
+
+def _until_health(port: int, status: int, timeout_s: float = 30.0) -> None:
+    """Until the router on ``port`` answers ``GET /health`` with ``status``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10) as resp:
+                got = resp.status
+        except urllib.error.HTTPError as err:
+            got = err.code
+        if got == status:
+            return
+        assert time.monotonic() < deadline, f"/health still answers {got}, not {status}, after {timeout_s:g} s"
+        time.sleep(0.05)
+
+
+def _api_server(tree: set[int], router: int) -> int:
+    """The replica's vLLM API server among the router's descendants ``tree``: the leader of its
+    own process group whose group holds an EngineCore (``tests.engine_brake.engine_core_pids``)."""
+    leaders = [p for p in tree if p != router and _pgid(p) == p and engine_core_pids(p)]
+    assert len(leaders) == 1, leaders
+    return leaders[0]
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
 
 
 def _descendants(root: int) -> set[int]:
@@ -107,17 +139,23 @@ def test_sigterm_drains_in_flight_refuses_new_and_leaves_no_process(tmp_path):
         url = f"http://127.0.0.1:{port}/v1/completions"
         tree = _descendants(proc.pid)
         assert len(tree) >= 4  # Ray's processes, the replica actor, the API server, engine core, worker
+        brake = EngineBrake(_api_server(tree, proc.pid))
         long_result: dict = {}
         body = {"model": "tiny-llama", "prompt": [21, 22, 23, 24, 25], "max_tokens": LONG_TOKENS,
                 "ignore_eos": True, "temperature": 0}
         in_flight = threading.Thread(target=lambda: long_result.update(r=_post(url, body)))
-        in_flight.start()
-        _wait_in_flight(port)  # the router holds it (a fixed 1.5 s wait: once it had not arrived yet,
-        assert in_flight.is_alive(), long_result  # the drain found nothing to wait for and the router stopped)
-        os.kill(proc.pid, signal.SIGTERM)
-        time.sleep(0.5)
-        status, headers, payload = _post(url, {**body, "max_tokens": 1})
-        assert status == 503 and int(headers["Retry-After"]) > 0 and "shutting down" in payload["error"]["message"]
+        try:
+            brake.hold()  # its API server takes the request; its engine computes nothing of it yet
+            in_flight.start()
+            _wait_in_flight(port)  # the router holds it (a fixed 1.5 s wait: once it had not arrived yet,
+            assert in_flight.is_alive(), long_result  # the drain found nothing to wait for and the router stopped)
+            os.kill(proc.pid, signal.SIGTERM)
+            _until_health(port, 503)  # draining
+            status, headers, payload = _post(url, {**body, "max_tokens": 1})
+            assert status == 503 and int(headers["Retry-After"]) > 0 and "shutting down" in payload["error"]["message"]
+            assert in_flight.is_alive(), long_result
+        finally:
+            brake.release()
         in_flight.join(timeout=200)
         status, _, payload = long_result["r"]
         assert status == 200 and payload["usage"]["completion_tokens"] == LONG_TOKENS

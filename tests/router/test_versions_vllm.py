@@ -21,7 +21,7 @@ from replicas.tiny_model import TinyModelSpec, ensure_tiny_model
 from router import keys
 from router.config import AppConfig
 from router.server import running_router
-from tests.engine_brake import EngineBrake, Finished, phase_reached, relaying
+from tests.engine_brake import EngineBrake, Finished, pause_answered, phase_reached, relaying
 from tests.router.ha_redis import RedisProcess
 from tests.router.small_replica import weight_test_fixtures
 
@@ -126,14 +126,14 @@ async def held_stream(http, url: str, app, brake, seed: int) -> asyncio.Future:
     raise AssertionError("unreachable")
 
 
-async def update_beside(http, url: str, brake, **body) -> tuple[int, dict]:
-    """``POST /admin/weights`` (``pause_mode: keep``) through ``url`` while the engine is held,
-    released once the update is under way (the stream it keeps is still running); its status
-    and report."""
+async def update_beside(http, url: str, app, brake, **body) -> tuple[int, dict]:
+    """``POST /admin/weights`` (``pause_mode: keep``) through router ``url`` (``app``) while the
+    engine is held; the engine runs in short bursts until the pause was answered (the stream it
+    keeps is frozen still running), then freely; its status and report."""
     answer = asyncio.ensure_future(http.post(url + "/admin/weights", headers=ADMIN,
                                              json={"pause_mode": "keep", **body}))
     await phase_reached(http, url, ADMIN, "replica-0", ("draining", "paused", "loading", "committing"))
-    await asyncio.sleep(0.3)
+    await brake.hold_when(pause_answered(app, "replica-0"), 60, max_run_s=0.02, what="the update's pause answered")
     brake.release()
     async with await answer as r:
         return r.status, await r.json()
@@ -248,7 +248,8 @@ async def test_flush_refused_by_a_kept_stream_restores_the_old_weights_and_serve
         update_body = {"version": 1, "weights_path": SEED1, "pause_mode": "keep", "preempt_running": False}
         answer = asyncio.ensure_future(http.post(url + "/admin/weights", json=update_body, headers=ADMIN))
         await phase_reached(http, url, ADMIN, "replica-0", ("draining",))
-        await asyncio.sleep(0.3)  # the router counts its kept stream and sends the pause
+        # the router counts its kept stream and sends the pause: run in bursts until it is answered
+        await brake.hold_when(pause_answered(app, "replica-0"), 60, max_run_s=0.02, what="the update's pause answered")
         brake.release()
         async with await answer as r:
             refused = await r.json()
@@ -269,9 +270,9 @@ async def test_a_flush_through_another_router_preempts_this_routers_kept_stream(
     # it, and B, holding no folder for the version A had loaded, left the replica paused with
     # undefined weights and A's stream hung. Every router's kept work counts: the reset preempts
     # A's stream, which recomputes its context under the new weights and says so
-    async with two_routers(small, tmp_path, "xflush:") as ((a_url, a), (b_url, _), brake):
+    async with two_routers(small, tmp_path, "xflush:") as ((a_url, a), (b_url, b), brake):
         streaming = await held_stream(http, a_url, a, brake, 9)
-        status, report = await update_beside(http, b_url, brake, version=1, weights_path=SEED1)
+        status, report = await update_beside(http, b_url, b, brake, version=1, weights_path=SEED1)
         replica = report["replicas"][0]
         assert status == 200 and replica["reset_confirmed"] is True, json.dumps(report)
         assert (replica["kept_streams"], replica["weights"], replica["in_rotation"]) == (0, "new", True), report
@@ -284,10 +285,10 @@ async def test_a_flush_through_another_router_preempts_this_routers_kept_stream(
 async def test_a_refused_commit_through_another_router_restores_the_folder_the_first_one_loaded(http, small, tmp_path):
     # the same attacker's second half: B restores from the folder A loaded the version from (each
     # publication of versions carries it), not "undefined weights, left paused"
-    async with two_routers(small, tmp_path, "xrestore:") as ((a_url, a), (b_url, _), brake):
+    async with two_routers(small, tmp_path, "xrestore:") as ((a_url, a), (b_url, b), brake):
         await update(http, a_url, 1, SEED1)  # through A: B knows version 1, and now its folder
         streaming = await held_stream(http, a_url, a, brake, 10)
-        status, report = await update_beside(http, b_url, brake, version=2, weights_path=SEED0, preempt_running=False)
+        status, report = await update_beside(http, b_url, b, brake, version=2, weights_path=SEED0, preempt_running=False)
         replica = report["replicas"][0]
         assert status == 502 and replica["reset_confirmed"] is False, json.dumps(report)
         assert (replica["weights"], replica["weight_version"], replica["in_rotation"]) == ("previous", 1, True), report
@@ -340,7 +341,7 @@ async def test_a_stream_kept_on_a_replica_its_update_left_paused_ends_at_once_wi
     async with router_for(small, "keep") as (url, app), EngineBrake((await small.info("replica-0")).pid) as brake, \
             folder_gone(http, small, tmp_path, lambda v, f: update(http, url, v, f)) as missing:
         streaming = await held_stream(http, url, app, brake, 11)
-        status, report = await update_beside(http, url, brake, version=2, weights_path=missing)
+        status, report = await update_beside(http, url, app, brake, version=2, weights_path=missing)
         replica = report["replicas"][0]
         assert status == 502 and (replica["weights"], replica["in_rotation"]) == ("undefined", False), report
         error = await ended_at_once(streaming, app, 10)
@@ -352,10 +353,10 @@ async def test_a_stream_kept_on_a_replica_its_update_left_paused_ends_at_once_wi
 async def test_a_stream_on_a_replica_another_routers_update_left_paused_ends_at_once(http, small, tmp_path):
     # the same through two routers: B's update leaves the replica paused; A's kept stream ends
     # once A applies B's publication (its rotation reason), not at A's request_timeout_s
-    async with two_routers(small, tmp_path, "xpaused:") as ((a_url, a), (b_url, _), brake), \
+    async with two_routers(small, tmp_path, "xpaused:") as ((a_url, a), (b_url, b), brake), \
             folder_gone(http, small, tmp_path, lambda v, f: update(http, a_url, v, f)) as missing:
         streaming = await held_stream(http, a_url, a, brake, 12)
-        status, report = await update_beside(http, b_url, brake, version=2, weights_path=missing)
+        status, report = await update_beside(http, b_url, b, brake, version=2, weights_path=missing)
         replica = report["replicas"][0]
         assert status == 502 and (replica["weights"], replica["in_rotation"]) == ("undefined", False), report
         error = await ended_at_once(streaming, a)

@@ -63,7 +63,7 @@ async def score(http, url: str, seed: int) -> tuple[dict, list[Claim]]:
 async def test_begin_push_commit_with_idempotent_calls_and_phases(http, small):
     base = small.endpoints[0].base_url
     claims: list[Claim] = []
-    async with running_router(config(weight_update_policy="salt"), small.endpoints) as (url, _):
+    async with running_router(config(weight_update_policy="salt"), small.endpoints) as (url, app):
         claims += (await score(http, url, 1))[1]
         status, begun = await admin(http, url, "/begin", {"version": 1, "pause_mode": "keep"})
         assert status == 200 and begun["phase"] == "ready" and begun["replicas"][0]["phase"] == "paused", begun
@@ -73,7 +73,13 @@ async def test_begin_push_commit_with_idempotent_calls_and_phases(http, small):
         assert (await state(http, url))["replicas"]["replica-0"]["phase"] == "paused"
         assert (await call(http, "GET", f"{base}/is_paused")).body == {"is_paused": True}
         waiting = asyncio.ensure_future(score(http, url, 2))  # held by the router until the commit
+        life = app[keys.LIFECYCLE]
+        for _ in range(200):  # the router's own state: waiting in admission, nothing sent to the paused engine
+            if life.state_sizes()["waiters"] >= 1:
+                break
+            await asyncio.sleep(0.05)
         await asyncio.sleep(0.3)
+        assert life.state_sizes()["waiters"] >= 1 and life.state_sizes()["flights"] == 0, life.state_sizes()
         assert not waiting.done()
 
         weights, error = await ReplicaControl(http, base).load(CKPT[1], CKPT[0])  # the trainer's push

@@ -19,7 +19,7 @@ from replicas.tiny_model import TinyModelSpec, ensure_tiny_model
 from replicas.weights_http import call
 from router.config import AppConfig
 from router.server import running_router
-from tests.engine_brake import EngineBrake, Finished, phase_reached, relaying
+from tests.engine_brake import EngineBrake, Finished, pause_answered, phase_reached, relaying
 from tests.router.small_replica import weight_test_fixtures
 from tests.router.weights_check import Claim, read_events, stream_claims, verify
 
@@ -156,11 +156,14 @@ async def test_an_update_under_load_every_claim_matches_its_checkpoint(http, sma
             body["drain_timeout_s"] = 60  # keep / abort: default 0, what is in flight is kept / ended
         answer = asyncio.ensure_future(post(http, url, "/admin/weights", body, ADMIN))
         await phase_reached(http, url, ADMIN, "replica-0", ("draining",))
-        await asyncio.sleep(0.3)  # the router counts the streams it keeps and sends the pause
-        brake.release()
+        if pause_mode != "wait":  # keep / abort: the streams are still decoding when the pause lands
+            # (a free engine after a fixed sleep could finish them before the router's pause)
+            await brake.hold_when(pause_answered(app, "replica-0"), 60, max_run_s=0.02,
+                                  what="the update's pause answered")
+        brake.release()  # wait: the drain lets them finish
         report = await answer
         stop.set()
-        await asyncio.wait_for(asyncio.gather(*streams, *loops), 120)
+        got = (await asyncio.wait_for(asyncio.gather(*streams, *loops), 120))[:len(streams)]
         replica = report["replicas"][0]
         assert report["ok"] and replica["weight_version"] == 1 and replica["in_rotation"], report
         async with http.get(url + "/admin/weights", headers=ADMIN) as r:
@@ -174,6 +177,7 @@ async def test_an_update_under_load_every_claim_matches_its_checkpoint(http, sma
         assert not hybrid, hybrid  # no token computed by one version's weights over another's KV
     if pause_mode == "abort":
         assert not mixed_streams and any(n["weight_versions"] == [0] for n in gen_notes)
+        assert any("finish ['abort']" in g for g in got), got  # a stream the pause found ended aborted
     if pause_mode == "wait":
         assert not mixed_streams and replica["preempted"] == 0 and replica["drained"]
     if pause_mode != "wait":
