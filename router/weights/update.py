@@ -22,6 +22,14 @@ class UpdateInProgress(RouterError):
     status = 409
 
 
+class VersionConflict(RouterError):
+    """A folder update names a version the fleet already has, with another checkpoint folder or
+    policy (409; ``param`` names the field): one version is one set of weights on every replica,
+    and a repeat of a finished update must not change how later requests are salted."""
+
+    status = 409
+
+
 @dataclass
 class Update:
     """One update: the request, its phase and what it did to each target replica."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from typing import Any, Awaitable, Callable
 
@@ -23,7 +24,7 @@ from router.errors import NoReplica
 from router.lifecycle import Lifecycle
 from router.weights.requests import UpdateRequest
 from router.weights.steps import SETTLED_PAUSE_TIMEOUT_S, ReplicaUpdate, Steps
-from router.weights.update import LOCK_TTL_S, Update, UpdateInProgress
+from router.weights.update import LOCK_TTL_S, Update, UpdateInProgress, VersionConflict
 
 log = logging.getLogger(__name__)
 
@@ -63,13 +64,34 @@ class WeightUpdater:
     # -- the calls ------------------------------------------------------------------------------
 
     async def update(self, req: UpdateRequest) -> dict[str, Any]:
-        """Folder form: hold, settle, load, commit each target (rolling or all at once)."""
+        """Folder form: hold, settle, load, commit each target (rolling or all at once).
+        VersionConflict (409) for a version the fleet has from another folder or under another
+        policy (:meth:`_conflict`)."""
         active = self.active
         if active is not None and active.kind == "folder" and active.req == req and active.task is not None:
             return await self._join(active.task)  # the same call again (a client that timed out): join it
+        self._conflict(req)
         upd = await self._start(req, "folder")
         upd.task = self._spawn(self._folder(upd))
         return await self._join(upd.task)
+
+    def _conflict(self, req: UpdateRequest) -> None:
+        """Raise VersionConflict when ``req`` (folder form) names a version the fleet already
+        loaded from another checkpoint folder (two sets of weights would answer as one version:
+        a retry of a partly failed update loading another folder on the rest, or a repeat that
+        said ok and loaded nothing), or the current version under another policy (a repeat of a
+        finished update, its policy left to the default, switched the fleet's salting)."""
+        known = self.steps.folder_of_version(req.version)
+        if known is not None and req.weights_path is not None and not _same_folder(known, req.weights_path):
+            raise VersionConflict(f"version {req.version} was loaded from {known!r}, not {req.weights_path!r}: "
+                                  "one version is one set of weights; give a new checkpoint a new version",
+                                  param="weights_path")
+        versions = self.core.versions
+        if req.version == versions.current and req.policy != versions.policy:
+            raise VersionConflict(f"version {req.version} is the fleet's already, under policy {versions.policy!r}, "
+                                  f"not {req.policy!r}: repeat the call with the same policy (it says so "
+                                  "and loads nothing new), or load the next version under the new one",
+                                  param="policy")
 
     async def begin(self, req: UpdateRequest) -> dict[str, Any]:
         """Two-phase: hold and settle every target; the report says which are ready for weights."""
@@ -474,3 +496,9 @@ class WeightUpdater:
     async def _join(self, task: asyncio.Task) -> dict[str, Any]:
         """Await ``task`` shielded: the caller going away does not cancel the update."""
         return await asyncio.shield(task)
+
+
+def _same_folder(a: str, b: str) -> bool:
+    """Whether two spellings of a checkpoint folder name the same one (as normalised paths: the
+    folder lives on the replicas' machine, which the router may not see)."""
+    return os.path.normpath(a) == os.path.normpath(b)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import aiohttp
 import pytest
 
+from router import keys
 from tests.router.fake_vllm import FakeVllm, serving
 from tests.router.test_fleet_changes import ADMIN, router
 
@@ -37,3 +38,29 @@ async def test_a_rolling_update_stops_at_the_first_failed_load_and_leaves_the_re
         # good weights then update every replica, the first included
         report = await update(url, "ckpt-1")
         assert report["ok"] and [f.weights for f in fakes] == ["ckpt-1"] * 3, report
+
+
+async def test_a_version_the_fleet_has_is_not_loaded_from_another_folder_nor_its_policy_switched():
+    # a fresh attacker: POST /admin/weights with the fleet's own version and another folder said
+    # ok, loaded nothing (every replica was at that version already), and switched the fleet's
+    # policy to the request's default. One version is one set of weights
+    fakes = [FakeVllm(), FakeVllm()]
+    async with serving(fakes[0]) as u0, serving(fakes[1]) as u1, router([u0, u1]) as (url, app, _rs):
+        assert (await update(url, "ckpt-1"))["ok"]
+        versions = app[keys.CORE].versions
+        async with aiohttp.ClientSession() as http:
+            async def post(body: dict) -> tuple[int, dict]:
+                async with http.post(url + "/admin/weights", json=body, headers=ADMIN) as r:
+                    return r.status, await r.json()
+
+            same = {"version": 1, "weights_path": "ckpt-1", "policy": "salt", "mode": "rolling", "pause_mode": "keep"}
+            status, report = await post({**same, "weights_path": "ckpt-2"})
+            assert status == 409 and report["error"]["param"] == "weights_path", report
+            assert "'ckpt-1'" in report["error"]["message"], report
+            status, report = await post({k: v for k, v in same.items() if k != "policy"})  # the default: keep+salt
+            assert status == 409 and report["error"]["param"] == "policy", report
+            assert (versions.current, versions.policy) == (1, "salt")
+            status, report = await post({**same, "weights_path": "./ckpt-1"})  # the same call again: nothing to do
+            assert status == 200 and report["ok"] and report["replicas"] == [], report
+        assert [f.loads for f in fakes] == [["ckpt-1"], ["ckpt-1"]]
+        assert (versions.current, versions.policy) == (1, "salt")
