@@ -37,6 +37,8 @@ FLEET = web.AppKey("fleet", object)
 """The ``replicas.replica_set.ReplicaSet`` behind the router (None: fixed endpoints only)."""
 ADDING = web.AppKey("adding", set)
 """Addresses (``replicas.addresses.resolve``) of the servers being added right now."""
+ADD_TASKS = web.AppKey("add_tasks", set)
+"""The ``POST /admin/replicas`` calls running now, owned by the app (their clients may be gone)."""
 ADD_HOLD_S = 120.0
 """With shared state, how long a server being added is held on every router at most (its probes
 take seconds; a router that dies while adding one frees it after this)."""
@@ -53,6 +55,7 @@ def attach_fleet(app: web.Application, replica_set) -> None:
     (a stopped router must not keep receiving them: several routers may serve one set in turn)."""
     app[FLEET] = replica_set
     app[ADDING] = set()
+    app[ADD_TASKS] = set()
     if replica_set is not None:
         unsubscribe = replica_set.subscribe(lambda event: _own_event(app, replica_set, event))
         replica_set.claim_index = lambda floor: _claim_index(app, floor)
@@ -60,6 +63,9 @@ def attach_fleet(app: web.Application, replica_set) -> None:
         async def stop_following(_: web.Application) -> None:
             unsubscribe()
             replica_set.claim_index = None
+            for task in list(app[ADD_TASKS]):  # a launch still running: the replica set stops what it started
+                task.cancel()
+            await asyncio.gather(*app[ADD_TASKS], return_exceptions=True)
 
         app.on_cleanup.append(stop_following)
 
@@ -204,8 +210,15 @@ async def add_replica(request: web.Request) -> web.Response:
     A URL is taken in its canonical spelling (``replicas.addresses``) and refused (400, ``url``)
     when it reaches a server already a replica of this router, or one being added now here or,
     with shared state, through another router, however spelled (``localhost`` or ``127.0.0.1``,
-    a trailing slash): one engine must not count twice."""
+    a trailing slash): one engine must not count twice. Any other field is a 400 naming it (a
+    misspelt ``url`` launched a replica). The add runs as a task the app owns, awaited shielded:
+    a client that leaves mid-launch stops only its wait, and the replica still joins (it was
+    left running outside the fleet: unsupervised, unrouted, holding its memory)."""
     body = load_json_object(body_of(request)) if request.body_exists else {}
+    unknown = sorted(set(body) - {"url"})
+    if unknown:
+        raise BadRequest(f"unknown field {echo(unknown[0])}: the body is {{}} (launch a replica from the config) "
+                         "or {\"url\": \"http://...\"} (register a running vLLM server)", param=unknown[0])
     url = body.get("url")
     if url is not None:
         if not isinstance(url, str):
@@ -218,8 +231,17 @@ async def add_replica(request: web.Request) -> web.Response:
     if url is None and fleet.cfg.urls:
         raise BadRequest("this router fronts servers given by replicas.urls: it launches none; "
                          "register a running server with {\"url\": \"http://...\"}", param="url")
-    claim = await _claim_address(request.app, url) if url is not None else None
-    shared, held, added = _shared(request.app), None, False
+    tasks = request.app[ADD_TASKS]
+    task = asyncio.ensure_future(_add(request.app, fleet, url))
+    tasks.add(task)
+    task.add_done_callback(tasks.discard)
+    return await asyncio.shield(task)
+
+
+async def _add(app: web.Application, fleet, url: str | None) -> web.Response:
+    """:func:`add_replica`'s work once its body is read: claim the address, add, answer."""
+    claim = await _claim_address(app, url) if url is not None else None
+    shared, held, added = _shared(app), None, False
     try:
         if claim is not None and shared is not None:  # and no other router is adding it now
             addresses = sorted(f"{ip}:{port}{path}" for ip, port, path in claim)
@@ -229,19 +251,19 @@ async def add_replica(request: web.Request) -> web.Response:
             except StateUnavailable as exc:
                 raise NoSharedState(f"cannot add a replica while redis is unreachable ({exc}); retry when it is back") from None
             held = addresses  # ours to let go of (not another router's, when the claim failed)
-        endpoint = await fleet.add(url, model=request.app[keys.POOL].model)
+        endpoint = await fleet.add(url, model=app[keys.POOL].model)
         added = True
     except StartupError as exc:  # unreachable, or a block size or model the fleet does not share
         raise BadRequest(f"cannot add the replica: {exc}", param="url" if url is not None else "body") from exc
     finally:
         if claim is not None:
-            request.app[ADDING].discard(claim)
+            app[ADDING].discard(claim)
         if held is not None:
             await shared.release_server(held, added)
-    await request.app[FLEET].events.flush()  # the router follows it before answering
+    await app[FLEET].events.flush()  # the router follows it before answering
     answer = {"replica": endpoint.replica_id, "url": endpoint.base_url}
-    if url is not None and await request.app[keys.WEIGHT_UPDATER].hold_paused([endpoint.replica_id]):
-        answer["out_of_rotation_reason"] = request.app[keys.CORE].versions.rotation.get(endpoint.replica_id)
+    if url is not None and await app[keys.WEIGHT_UPDATER].hold_paused([endpoint.replica_id]):
+        answer["out_of_rotation_reason"] = app[keys.CORE].versions.rotation.get(endpoint.replica_id)
     return web.json_response(answer, status=201)
 
 

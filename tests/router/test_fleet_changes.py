@@ -117,6 +117,27 @@ async def test_a_url_that_is_not_a_replica_of_this_fleet_is_refused_naming_the_u
             assert status == 201 and body == {"replica": "replica-1", "url": good}  # no id spent on the refusals
 
 
+async def test_an_unknown_field_is_refused_and_an_add_whose_client_left_still_joins():
+    # a fresh attacker: {"bogus": 1} (or a misspelt url) launched a replica, and a client that
+    # left while a launch ran left its vLLM server running outside the fleet (aiohttp cancelled
+    # the handler halfway: unsupervised, unrouted, holding its memory)
+    async with fakes(2) as (servers, (u0, u1)), router([u0]) as (url, app, rs):
+        for body, param in (({"ur1": u1}, "ur1"), ({"url": u1, "model": "x"}, "model")):
+            status, answer, _ = await call("POST", url + "/admin/replicas", json=body, headers=ADMIN)
+            assert status == 400 and answer["error"]["param"] == param, answer
+        assert await fleet_of(url) == {"replica-0": u0}
+        servers[1].hang()  # the add's probe of it waits
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.5)) as http:
+            with pytest.raises(asyncio.TimeoutError):
+                await http.post(url + "/admin/replicas", json={"url": u1}, headers=ADMIN)
+        await asyncio.sleep(0.3)  # the router has seen the client go
+        servers[1].resume()
+
+        async def joined() -> bool:
+            return await fleet_of(url) == {"replica-0": u0, "replica-1": u1}
+        await until(joined, 10, "the add its client left finishes and the replica joins")
+
+
 async def _ok(_):
     from aiohttp import web
     return web.Response()
