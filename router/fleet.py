@@ -99,6 +99,8 @@ def on_replica_event(app: web.Application, event: ReplicaEvent) -> None:
         core.set_rotation(rid, None)
     elif kind in ("unhealthy", "restarting"):
         core.set_health(rid, False)
+        if kind == "restarting":  # out until it is back (a view of it "in rotation" while dead misled)
+            core.set_rotation(rid, f"restarting: {event.reason}" if event.reason else "restarting")
     elif kind == "healthy":
         core.set_health(rid, True)
     elif kind == "draining":

@@ -138,6 +138,25 @@ async def test_an_unknown_field_is_refused_and_an_add_whose_client_left_still_jo
         await until(joined, 10, "the add its client left finishes and the replica joins")
 
 
+async def test_a_restarting_replica_is_listed_out_of_rotation_with_why_until_it_is_back():
+    # a fresh attacker: for the whole restart (67-154 s) /admin/replicas listed the dead replica
+    # in rotation with no reason (routing skipped it: it was unhealthy)
+    from replicas.events import ReplicaEvent
+    from router.fleet import on_replica_event
+
+    async with fakes(1) as (_, (u0,)), router([u0]) as (url, app, rs):
+        endpoint = rs.endpoints[0]
+        on_replica_event(app, ReplicaEvent("restarting", endpoint.replica_id, endpoint, "its server process is gone"))
+        _, body, _ = await call("GET", url + "/admin/replicas", headers=ADMIN)
+        row, = body["replicas"]
+        assert (row["healthy"], row["in_rotation"], row["out_of_rotation_reason"]) == (
+            False, False, "restarting: its server process is gone"), row
+        on_replica_event(app, ReplicaEvent("restarted", endpoint.replica_id, endpoint))
+        _, body, _ = await call("GET", url + "/admin/replicas", headers=ADMIN)
+        row, = body["replicas"]
+        assert (row["healthy"], row["in_rotation"], row["out_of_rotation_reason"]) == (True, True, None), row
+
+
 async def _ok(_):
     from aiohttp import web
     return web.Response()
