@@ -26,7 +26,7 @@ from router.errors import UpstreamError, error_body
 from router.lifecycle import RetryElsewhere
 from router.token_ids import TokenIds
 from router.upstream import ReplicaClient, ReplicaUnreachable
-from router.weights.stream import relay_events
+from router.weights.stream import ReplicaStreamError, relay_events
 
 log = logging.getLogger(__name__)
 
@@ -329,7 +329,9 @@ async def relay_stream(client: web.Request, http: aiohttp.ClientSession, url: st
     of that status, as an error status would. Raises ReplicaUnreachable when
     the replica cannot be reached. ``watch`` (``router.weights.report.StreamWatch``) counts each
     event as it is read and gives the final chunk before ``[DONE]`` its ``rollout_router`` object.
-    A replica that fails after the first byte ends the stream with an error event (``FAILED``).
+    A replica that fails after the first byte (its connection breaks, or it sends an error
+    event of its own: vLLM's ``InternalServerError`` when its engine core died) ends the stream
+    with the router's error event, code 503, "retry the request" (``FAILED``).
     """
     up = await _send(http, url, body)
     watch.relaying(up.close)
@@ -364,9 +366,11 @@ async def relay_stream(client: web.Request, http: aiohttp.ClientSession, url: st
         except ConnectionResetError:  # the client went away mid-stream: an expected outcome
             log.info("client disconnected from %s mid-stream; aborting upstream", url)
             up.close()  # dropping the upstream connection makes vLLM abort and free the KV cache
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:  # the replica failed mid-stream, or was
-            up.close()                                                # left paused (``watch.ended``)
-            why = watch.ended or f"the replica failed mid-stream ({type(exc).__name__})"
+        except (aiohttp.ClientError, asyncio.TimeoutError, ReplicaStreamError) as exc:  # the replica failed
+            up.close()                                          # mid-stream, or was left paused (``watch.ended``)
+            why = watch.ended or (f"the replica ended the stream with an error: {exc}"
+                                  if isinstance(exc, ReplicaStreamError)
+                                  else f"the replica failed mid-stream ({type(exc).__name__})")
             if not resp.prepared:  # before its first token: nothing reached the client
                 raise RetryElsewhere(f"{why} before the stream's first token on {url}: {exc!r}") from exc
             log.warning("stream from %s ended mid-way: %s (%r); ending it with an error event", url, why, exc)

@@ -26,6 +26,12 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+class ReplicaStreamError(Exception):
+    """The replica ended a stream that had begun with an error event of its own (vLLM's, e.g.
+    its engine core died: ``InternalServerError``); the message is the replica's. The relay
+    ends the stream with the router's error event instead (``router.proxy.relay_stream``)."""
+
+
 Begin = Callable[[bool, "dict[str, Any] | None"], Awaitable[None]]
 """Called once, just before the stream's first byte goes to the client, with whether the engine
 aborted it before any token (a ``finish_reason: "abort"`` and no token yet) and the error event
@@ -129,6 +135,11 @@ class _Writer:
             return
         await self._write_held()
         if event is None:
+            error = _error_of(raw)
+            if error is not None:  # the replica broke the stream after it began
+                detail = error["error"]
+                message = detail.get("message", detail) if isinstance(detail, dict) else detail
+                raise ReplicaStreamError(str(message)[:500])
             await self.resp.write(raw + b"\n\n")
             return
         self.last = event

@@ -17,6 +17,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from replicas.auth import PROCESS_KEYS
 from router.errors import UpstreamError
+from router.errors import error_body
 from router.proxy import FAILED, STREAM_ERROR_CODE, post_json, relay_stream
 from router.weights.report import StreamWatch
 from router.upstream import ReplicaClient, ReplicaUnreachable
@@ -289,6 +290,39 @@ async def test_a_stream_its_replica_breaks_ends_with_an_error_event_and_done():
     events = [line[6:] for line in text.split("\n") if line.startswith("data: ")]
     assert json.loads(events[0])["choices"][0]["text"] == "a"
     assert json.loads(events[1])["error"]["code"] == STREAM_ERROR_CODE and events[2] == "[DONE]"
+
+
+async def test_a_stream_its_replica_ends_with_its_own_error_event_gets_the_routers_error_event():
+    # a fresh attacker: a stream whose engine core died mid-way ended with vLLM's own event
+    # (type InternalServerError, code 500, nothing of "retry"), unlike every other broken stream
+    async def handle(reader, writer):
+        await _one_token_stream(reader, writer)
+        for event in (b'data: {"error": {"message": "EngineCore encountered an issue.", "type": '
+                      b'"InternalServerError", "param": null, "code": 500}}\n\n', b"data: [DONE]\n\n"):
+            writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    server, url = await _server(handle)
+    async with server, aiohttp.ClientSession() as upstream:
+        async def relay(request: web.Request) -> web.StreamResponse:
+            resp = await relay_stream(request, upstream, url + "/v1/completions", {"stream": True}, {},
+                                      StreamWatch({}, lambda cached: {"weight_versions": [3]}))
+            assert resp[FAILED] == "failed"
+            return resp
+
+        app = web.Application()
+        app.router.add_post("/relay", relay)
+        async with TestClient(TestServer(app)) as client:
+            r = await client.post("/relay", json={})
+            text = await r.text()
+    events = [line[6:] for line in text.split("\n") if line.startswith("data: ")]
+    assert len(events) == 3 and json.loads(events[0])["choices"][0]["text"] == "a" and events[2] == "[DONE]", events
+    error = json.loads(events[1])
+    assert error["error"] == error_body(STREAM_ERROR_CODE, "the replica ended the stream with an error: EngineCore "
+                                                           "encountered an issue.; retry the request")["error"], error
+    assert error["rollout_router"] == {"weight_versions": [3]}
 
 
 async def test_a_stream_ended_from_outside_says_why_and_ends_with_done():
