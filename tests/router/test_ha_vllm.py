@@ -157,12 +157,14 @@ async def test_redis_killed_and_stopped_under_load_costs_no_5xx_and_no_session_m
                 deadline = time.monotonic() + 30
                 while True:
                     pins = {s: await client.get(f"ha3:pin:session:ha-s{s}") for s in range(6)}
-                    if all(v is not None for v in pins.values()) or time.monotonic() > deadline:
+                    epoch = await client.get("ha3:versions:epoch")
+                    live = await client.zrange("ha3:routers", 0, -1)
+                    if (all(v is not None for v in pins.values()) and epoch is not None and len(live) == 3) \
+                            or time.monotonic() > deadline:
                         break
                     await asyncio.sleep(0.1)
                 assert all(v is not None for v in pins.values()), pins
-                assert await client.get("ha3:versions:epoch") is not None
-                assert len(await client.zrange("ha3:routers", 0, -1)) == 3
+                assert epoch is not None and len(live) == 3, (epoch, live)
             finally:
                 await client.aclose()
     finally:
@@ -179,16 +181,19 @@ async def test_a_router_started_while_redis_is_down_serves_then_joins(replica_se
         assert status == 200 and body["rollout_router"]["cache_salt"] is None  # unconfirmed: no guessed salt
         redis = RedisProcess(tmp_path, port).start()
         try:
+            from router.state.status import collect
+
             state = app[keys.LIFECYCLE].shared
             deadline = time.monotonic() + 30  # joins once its breaker lets a call through and it syncs
-            while not (state.available and state.versions.confirmed
-                       and await state.redis.client.get("ha4:pin:session:early")) and time.monotonic() < deadline:
+            while True:
+                joined = state.available and state.versions.confirmed and \
+                    await state.redis.client.get("ha4:pin:session:early") is not None
+                report = await collect(redis.url, "ha4:", 2.0, 1.0) if joined else None
+                if (report is not None and not report["disagreements"]) or time.monotonic() > deadline:
+                    break
                 await asyncio.sleep(0.1)
             assert state.available and state.versions.confirmed
             assert (await state.redis.client.get("ha4:pin:session:early")).startswith(rep + "|")
-            from router.state.status import collect
-
-            report = await collect(redis.url, "ha4:", 2.0, 1.0)
             assert [v["router"] for v in report["routers"]] == [state.router_id] and report["disagreements"] == []
             status, _, body, _ = await post(http, url, unique_prompt(7601, 64))
             assert status == 200 and body["rollout_router"]["cache_salt"] == cache_salt_for_version(0)
