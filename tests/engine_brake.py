@@ -74,6 +74,7 @@ class EngineBrake:
         done = threading.Event()
 
         def cycle() -> None:
+            _urgent()
             while not done.is_set():
                 self.hold()
                 if done.wait(stop_s):
@@ -113,7 +114,7 @@ class EngineBrake:
                     break
                 await asyncio.sleep(0.02)
             assert time.monotonic() < deadline, f"{what} never held within {timeout_s} s{self._story(cond)}"
-            await asyncio.to_thread(self._run_for, burst)  # timed in a thread: a busy loop overshot it
+            await _in_own_thread(self._run_for, burst)  # timed in a thread: a busy loop overshot it
             burst = min(2 * burst, max_run_s)
 
     def _story(self, cond: Callable[[], bool]) -> str:
@@ -126,7 +127,9 @@ class EngineBrake:
         """Release the engine, let it run ``seconds``, hold it again. Released here, in the worker
         thread, not before handing over to it: a worker can start late (the default executor's
         threads busy with the router's DNS lookups and tokenizer calls) and the engine then ran
-        unheld for that long (a full run saw a group's 2 x 1,200 tokens decoded in 4 'bursts')."""
+        unheld for that long (a full run saw a group's 2 x 1,200 tokens decoded in 4 'bursts').
+        Its own thread, made urgent (:func:`_urgent`), not the default executor's."""
+        _urgent()
         self.release()
         time.sleep(seconds)
         self.hold()
@@ -199,6 +202,41 @@ def _cmdline(pid: int) -> bytes | None:
 def _cmdlines(pids: list[int]) -> dict[int, str]:
     """Each pid's command line (truncated), for a failed wait's message."""
     return {pid: (_cmdline(pid) or b"(gone)").replace(b"\0", b" ").decode(errors="replace")[:120] for pid in pids}
+
+
+def _urgent() -> None:
+    """Make the calling thread real-time (SCHED_FIFO, priority 1) where the process may (root):
+    it must wake the moment its sleep ends to stop the engine again, and a running vLLM-CPU
+    engine keeps every core busy (its OpenMP threads spin), so an ordinary thread could wake
+    late and a "3 ms" burst run far longer (a CI run's throttled engine decoded a 16,000-token
+    stream to its end in each of three tries, `vllm:generation_tokens_total` +16,003 each).
+    Elsewhere: unchanged. Only the brake's own short-lived threads call it."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
+    except (OSError, AttributeError):
+        pass
+
+
+async def _in_own_thread(fn: Callable[..., None], *args: object) -> None:
+    """Run ``fn(*args)`` in a new thread and wait for it (a thread of its own: :func:`_urgent`
+    must not leave a pooled executor thread real-time)."""
+    loop = asyncio.get_running_loop()
+    finished = loop.create_future()
+
+    def settle(error: BaseException | None) -> None:
+        if not finished.done():
+            finished.set_exception(error) if error is not None else finished.set_result(None)
+
+    def run() -> None:
+        error = None
+        try:
+            fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task
+            error = exc
+        loop.call_soon_threadsafe(settle, error)
+
+    threading.Thread(target=run, name="engine-brake-burst", daemon=True).start()
+    await finished
 
 
 def _signal(pid: int, sig: int) -> None:
