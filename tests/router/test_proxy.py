@@ -274,11 +274,18 @@ async def test_a_stream_its_replica_breaks_ends_with_an_error_event_and_done():
         await _one_token_stream(reader, writer)
         writer.close()  # dies mid-stream: no terminating chunk
 
+    events = await _failed_stream_events(handle, StreamWatch({}, lambda cached: {}))
+    assert json.loads(events[0])["choices"][0]["text"] == "a"
+    assert json.loads(events[1])["error"]["code"] == STREAM_ERROR_CODE and events[2] == "[DONE]"
+
+
+async def _failed_stream_events(handle, watch: StreamWatch) -> list[str]:
+    """The ``data:`` payloads a client gets from ``relay_stream`` over a replica served by
+    ``handle``, which must end it as failed (``FAILED``)."""
     server, url = await _server(handle)
     async with server, aiohttp.ClientSession() as upstream:
         async def relay(request: web.Request) -> web.StreamResponse:
-            resp = await relay_stream(request, upstream, url + "/v1/completions", {"stream": True}, {},
-                                      StreamWatch({}, lambda cached: {}))
+            resp = await relay_stream(request, upstream, url + "/v1/completions", {"stream": True}, {}, watch)
             assert resp[FAILED] == "failed"
             return resp
 
@@ -287,9 +294,7 @@ async def test_a_stream_its_replica_breaks_ends_with_an_error_event_and_done():
         async with TestClient(TestServer(app)) as client:
             r = await client.post("/relay", json={})
             text = await r.text()
-    events = [line[6:] for line in text.split("\n") if line.startswith("data: ")]
-    assert json.loads(events[0])["choices"][0]["text"] == "a"
-    assert json.loads(events[1])["error"]["code"] == STREAM_ERROR_CODE and events[2] == "[DONE]"
+    return [line[6:] for line in text.split("\n") if line.startswith("data: ")]
 
 
 async def test_a_stream_its_replica_ends_with_its_own_error_event_gets_the_routers_error_event():
@@ -304,20 +309,7 @@ async def test_a_stream_its_replica_ends_with_its_own_error_event_gets_the_route
         await writer.drain()
         writer.close()
 
-    server, url = await _server(handle)
-    async with server, aiohttp.ClientSession() as upstream:
-        async def relay(request: web.Request) -> web.StreamResponse:
-            resp = await relay_stream(request, upstream, url + "/v1/completions", {"stream": True}, {},
-                                      StreamWatch({}, lambda cached: {"weight_versions": [3]}))
-            assert resp[FAILED] == "failed"
-            return resp
-
-        app = web.Application()
-        app.router.add_post("/relay", relay)
-        async with TestClient(TestServer(app)) as client:
-            r = await client.post("/relay", json={})
-            text = await r.text()
-    events = [line[6:] for line in text.split("\n") if line.startswith("data: ")]
+    events = await _failed_stream_events(handle, StreamWatch({}, lambda cached: {"weight_versions": [3]}))
     assert len(events) == 3 and json.loads(events[0])["choices"][0]["text"] == "a" and events[2] == "[DONE]", events
     error = json.loads(events[1])
     assert error["error"] == error_body(STREAM_ERROR_CODE, "the replica ended the stream with an error: EngineCore "
