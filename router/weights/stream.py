@@ -26,6 +26,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+
 class ReplicaStreamError(Exception):
     """The replica ended a stream that had begun with an error event of its own (vLLM's, e.g.
     its engine core died: ``InternalServerError``); the message is the replica's. The relay
