@@ -37,16 +37,22 @@ class EngineBrake:
         """How many times :meth:`hold` has stopped the engine (a condition can tell a new hold)."""
         self._stopped: list[int] = []
         self._engine: list[int] = []
+        self._closed = False
+        """Left its ``async with``: a burst thread still running then must not stop the engine
+        again (a cancelled ``hold_when`` cannot stop its thread; it would leave the shared
+        replica stopped for every later test)."""
 
     async def __aenter__(self) -> "EngineBrake":
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        self._closed = True
         self.release()
 
     def hold(self) -> None:
-        """Stop the engine processes (the API server keeps running). Idempotent."""
-        if self.held:
+        """Stop the engine processes (the API server keeps running). Idempotent; nothing once
+        the brake's ``async with`` has ended."""
+        if self.held or self._closed:
             return
         if not self._engine:  # read once: /proc can be slow to walk on a loaded machine
             self._engine = [p for p in group_members(self.pgid) if p != self.pgid]
