@@ -37,6 +37,10 @@ FLEET = web.AppKey("fleet", object)
 """The ``replicas.replica_set.ReplicaSet`` behind the router (None: fixed endpoints only)."""
 ADDING = web.AppKey("adding", set)
 """Addresses (``replicas.addresses.resolve``) of the servers being added right now."""
+RESTARTING = web.AppKey("restarting", dict)
+"""Replicas being restarted now, each with why (from its ``restarting`` event until the next
+event): ``GET /admin/replicas`` lists them out of rotation. A view only: placement skips them
+as unhealthy, and an update's targets are not changed by it."""
 ADD_TASKS = web.AppKey("add_tasks", set)
 """The ``POST /admin/replicas`` calls running now, owned by the app (their clients may be gone)."""
 ADD_HOLD_S = 120.0
@@ -56,6 +60,7 @@ def attach_fleet(app: web.Application, replica_set) -> None:
     app[FLEET] = replica_set
     app[ADDING] = set()
     app[ADD_TASKS] = set()
+    app[RESTARTING] = {}
     if replica_set is not None:
         unsubscribe = replica_set.subscribe(lambda event: _own_event(app, replica_set, event))
         replica_set.claim_index = lambda floor: _claim_index(app, floor)
@@ -88,6 +93,12 @@ def on_replica_event(app: web.Application, event: ReplicaEvent) -> None:
     log.log(logging.WARNING if kind in ("unhealthy", "restarting", "removed") else logging.INFO,
             "replica %s %s%s%s", rid, kind, f" at {endpoint.base_url}" if kind in ("added", "restarted") else "",
             f": {event.reason}" if event.reason else "")
+    restarting = app.get(RESTARTING)
+    if restarting is not None:  # listed out of rotation until it is back (shown in rotation while
+        if kind == "restarting":  # dead for a whole restart, it misled a fresh attacker)
+            restarting[rid] = f"restarting: {event.reason}" if event.reason else "restarting"
+        elif kind in ("added", "restarted", "healthy", "removed"):
+            restarting.pop(rid, None)
     if kind in ("added", "restarted"):
         _set_endpoint(pool, endpoint)
         if kind == "added" or rid not in core.replicas:
@@ -99,8 +110,6 @@ def on_replica_event(app: web.Application, event: ReplicaEvent) -> None:
         core.set_rotation(rid, None)
     elif kind in ("unhealthy", "restarting"):
         core.set_health(rid, False)
-        if kind == "restarting":  # out until it is back (a view of it "in rotation" while dead misled)
-            core.set_rotation(rid, f"restarting: {event.reason}" if event.reason else "restarting")
     elif kind == "healthy":
         core.set_health(rid, True)
     elif kind == "draining":
@@ -185,6 +194,7 @@ def replica_rows(app: web.Application) -> list[dict[str, Any]]:
     rotation (out during a weight update, with the reason), requests in flight, KV cache usage,
     scoring cap and weight version."""
     core, pool, now = app[keys.CORE], app[keys.POOL], time.monotonic()
+    restarting = app.get(RESTARTING, {})
     rows = []
     for s in pool.states():
         rid = s.endpoint.replica_id
@@ -195,8 +205,9 @@ def replica_rows(app: web.Application) -> list[dict[str, Any]]:
             "probing": rec is not None and rec.probing,
             "in_flight": core.in_flight(rid),
             "kv_cache_usage": s.metrics.kv_cache_usage, "scoring_cap": s.endpoint.scoring_cap,
-            "weight_version": core.versions.loaded.get(rid), "in_rotation": rid not in core.versions.rotation,
-            "out_of_rotation_reason": core.versions.rotation.get(rid),
+            "weight_version": core.versions.loaded.get(rid),
+            "in_rotation": rid not in core.versions.rotation and rid not in restarting,
+            "out_of_rotation_reason": restarting.get(rid) or core.versions.rotation.get(rid),
         })
     return rows
 
