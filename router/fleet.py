@@ -244,11 +244,25 @@ async def add_replica(request: web.Request) -> web.Response:
     if url is None and fleet.cfg.urls:
         raise BadRequest("this router fronts servers given by replicas.urls: it launches none; "
                          "register a running server with {\"url\": \"http://...\"}", param="url")
-    tasks = request.app[ADD_TASKS]
+    tasks, left = request.app[ADD_TASKS], []
     task = asyncio.ensure_future(_add(request.app, fleet, url))
     tasks.add(task)
-    task.add_done_callback(tasks.discard)
-    return await asyncio.shield(task)
+    task.add_done_callback(lambda t: _add_done(tasks, t, url, bool(left)))
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        left.append(True)  # the client went: the add goes on, and says how it ended in the log
+        raise
+
+
+def _add_done(tasks: set, task: asyncio.Task, url: str | None, client_left: bool) -> None:
+    """Forget an add that ended; its error is retrieved here (not left to the garbage collector)
+    and, when its client had left, logged: nobody else would hear of it."""
+    tasks.discard(task)
+    error = None if task.cancelled() else task.exception()
+    if client_left:
+        log.warning("POST /admin/replicas %s, whose client left, %s", echo(url) if url is not None else "{}",
+                    f"failed: {error}" if error is not None else "ended" if task.cancelled() else "succeeded")
 
 
 async def _add(app: web.Application, fleet, url: str | None) -> web.Response:

@@ -117,7 +117,7 @@ async def test_a_url_that_is_not_a_replica_of_this_fleet_is_refused_naming_the_u
             assert status == 201 and body == {"replica": "replica-1", "url": good}  # no id spent on the refusals
 
 
-async def test_an_unknown_field_is_refused_and_an_add_whose_client_left_still_joins():
+async def test_an_unknown_field_is_refused_and_an_add_whose_client_left_still_joins(caplog):
     # a fresh attacker: {"bogus": 1} (or a misspelt url) launched a replica, and a client that
     # left while a launch ran left its vLLM server running outside the fleet (aiohttp cancelled
     # the handler halfway: unsupervised, unrouted, holding its memory)
@@ -136,6 +136,7 @@ async def test_an_unknown_field_is_refused_and_an_add_whose_client_left_still_jo
         async def joined() -> bool:
             return await fleet_of(url) == {"replica-0": u0, "replica-1": u1}
         await until(joined, 10, "the add its client left finishes and the replica joins")
+    assert [r for r in caplog.records if "whose client left, succeeded" in r.getMessage()], caplog.text[-2000:]
 
 
 async def test_a_restarting_replica_is_listed_out_of_rotation_with_why_until_it_is_back():
