@@ -71,6 +71,9 @@ class WeightUpdater:
         if active is not None and active.kind == "folder" and active.req == req and active.task is not None:
             return await self._join(active.task)  # the same call again (a client that timed out): join it
         self._conflict(req)
+        last = self.last
+        if last is not None and last.kind == "folder" and last.req.version == req.version and not self._targets(req):
+            return self.report(last)  # the same version again, done already: the report of the update that loaded it
         upd = await self._start(req, "folder")
         upd.task = self._spawn(self._folder(upd))
         return await self._join(upd.task)
@@ -481,11 +484,11 @@ class WeightUpdater:
         raise UpdateInProgress(f"no two-phase update of version {version} to {what}; POST /admin/weights/begin first")
 
     def _targets(self, req: UpdateRequest) -> list[ReplicaId]:
-        if req.replicas is not None:
-            return list(req.replicas)
+        """The replicas ``req`` updates: those it names (default: every one) that do not serve its
+        version yet or are out of rotation (a repeat of a finished update names none)."""
         versions = self.core.versions
-        return [rid for rid in self.life.pool.ids()
-                if versions.loaded.get(rid) != req.version or rid in versions.rotation]
+        named = list(req.replicas) if req.replicas is not None else self.life.pool.ids()
+        return [rid for rid in named if versions.loaded.get(rid) != req.version or rid in versions.rotation]
 
     def _spawn(self, coro: Awaitable[Any]) -> asyncio.Task:
         task = asyncio.ensure_future(coro)

@@ -60,7 +60,9 @@ async def test_a_version_the_fleet_has_is_not_loaded_from_another_folder_nor_its
             status, report = await post({k: v for k, v in same.items() if k != "policy"})  # the default: keep+salt
             assert status == 409 and report["error"]["param"] == "policy", report
             assert (versions.current, versions.policy) == (1, "salt")
-            status, report = await post({**same, "weights_path": "./ckpt-1"})  # the same call again: nothing to do
-            assert status == 200 and report["ok"] and report["replicas"] == [], report
+            status, first = await post(same)  # the same call again, finished: nothing to do, and its report
+            assert status == 200 and first["ok"] and len(first["replicas"]) == 2, first
+            status, report = await post({**same, "weights_path": "./ckpt-1", "replicas": ["replica-0"]})
+            assert status == 200 and report == first, report
         assert [f.loads for f in fakes] == [["ckpt-1"], ["ckpt-1"]]
         assert (versions.current, versions.policy) == (1, "salt")
