@@ -152,6 +152,7 @@ async def _scraper(app: web.Application) -> AsyncIterator[None]:
         yield
         return
     rounds, probes = ScrapeRounds(), EngineProbes()
+    app[keys.PROBES] = probes
     task = asyncio.create_task(_scrape_loop(app, interval, rounds, probes))
     yield
     task.cancel()

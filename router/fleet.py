@@ -117,6 +117,8 @@ def on_replica_event(app: web.Application, event: ReplicaEvent) -> None:
     elif kind == "removed":
         core.remove_replica(rid, 0.0)
         pool.set_endpoints([s.endpoint for s in pool.states() if s.endpoint.replica_id != rid])
+    if kind in ("restarting", "removed") and keys.PROBES in app:  # its answer would tell nothing now
+        app[keys.PROBES].cancel(core, rid)
     if keys.METRICS in app:
         app[keys.METRICS].healthy.labels(rid).set(1 if rid in core.replicas and core.replicas[rid].healthy else 0)
         if kind == "removed":

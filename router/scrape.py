@@ -149,9 +149,24 @@ class EngineProbes:
         return started
 
     def _ended(self, core: DecisionCore, rid: ReplicaId, task: asyncio.Task) -> None:
-        self._pending.pop(rid, None)
+        if self._pending.get(rid) is not task:  # cancelled by :meth:`cancel`, which ended it
+            return
+        del self._pending[rid]
         outcome = None if task.cancelled() or task.exception() is not None else task.result()
         core.probe_ended(rid, {"ok": True, "timeout": False}.get(outcome))
+
+    def cancel(self, core: DecisionCore, rid: ReplicaId) -> bool:
+        """Cancel the probe in flight on ``rid``, if any, and end it now as one that told nothing
+        (``DecisionCore.probe_ended(rid, None)``): its server is being restarted or removed, so
+        what it answers, or when, says nothing of the engine that comes back (a fresh attacker saw
+        ``probing: true`` listed ~17 s into a restart, for a probe sent to the hung engine before
+        it). Whether one was in flight."""
+        task = self._pending.pop(rid, None)
+        if task is None:
+            return False
+        task.cancel()
+        core.probe_ended(rid, None)
+        return True
 
     async def close(self) -> None:
         """Cancel the probes in flight (the router is stopping)."""

@@ -158,6 +158,40 @@ async def test_a_restarting_replica_is_listed_out_of_rotation_with_why_until_it_
         assert (row["healthy"], row["in_rotation"], row["out_of_rotation_reason"]) == (True, True, None), row
 
 
+async def test_a_probe_in_flight_on_a_replica_being_restarted_is_cancelled_at_once():
+    # a fresh attacker: /admin/replicas listed "probing: true" ~17 s into a restart, for a probe
+    # sent to the hung engine before it; that probe also kept the next one from being sent
+    from replicas.events import ReplicaEvent
+    from router.fleet import on_replica_event
+
+    async with fakes(1) as (servers, (u0,)):
+        servers[0].stall()  # hung while idle: the probe never gets an answer
+        cfg = AppConfig().replace(router={"port": 0, "scrape_interval_s": 0.1, "admin_token": TOKEN, "kv_events": False},
+                                  policy={"stall_timeout_s": 60.0, "stall_probe_after_s": 0.2})
+        async with ReplicaSet(ReplicaSetConfig(urls=(u0,)), supervision=QUIET) as rs:
+            async with running_router(cfg, rs.endpoints, tiny_tokenizer(), replica_set=rs) as (url, app):
+                endpoint = rs.endpoints[0]
+
+                async def row() -> dict:
+                    _, body, _ = await call("GET", url + "/admin/replicas", headers=ADMIN)
+                    return body["replicas"][0]
+
+                deadline = time.monotonic() + 20
+                while not (await row())["probing"]:
+                    assert time.monotonic() < deadline, "no probe was sent to the idle engine"
+                    await asyncio.sleep(0.05)
+                assert [b["prompt"] for b in servers[0].bodies] == [[0]]
+                on_replica_event(app, ReplicaEvent("restarting", endpoint.replica_id, endpoint, "its engine hung"))
+                assert not (await row())["probing"]  # at once, not when the old server dies
+                servers[0].resume()
+                on_replica_event(app, ReplicaEvent("restarted", endpoint.replica_id, endpoint))
+                while len(servers[0].bodies) < 2:  # the slot is free: the new engine is probed in its turn
+                    assert time.monotonic() < deadline, "the replica back from its restart was never probed"
+                    await asyncio.sleep(0.05)
+                await asyncio.sleep(0.3)
+                assert not (await row())["probing"]
+
+
 async def _ok(_):
     from aiohttp import web
     return web.Response()
