@@ -309,3 +309,18 @@ def test_an_ours_spec_with_settings_runs_with_them_and_only_in_the_latency_run(t
     cfg = yaml.safe_load(open(argv[argv.index("--config") + 1]))
     assert cfg["router"] == {"busy_poll_ms": 50} and cfg["replicas"]["urls"] == ["http://127.0.0.1:9"]
     assert [s.name for s in ALL if not s.workloads] == ["ours busy_poll_ms=50", "aiohttp pass-through"]
+
+
+def test_neighbours_times_cpu_bound_work_beside_each_setting_and_a_polling_router_spends_its_gaps():
+    """``bench.h2h.neighbours``: the neighbours ran for every setting and without a router; each
+    router answered the client (a non-200 raises) while they ran; the router polling 50 ms after
+    each request spent the client's 10 ms gaps running (several ms of CPU per request), the one
+    not polling well under one."""
+    from bench.h2h.neighbours import main
+
+    result = main(["--poll-ms", "0", "50", "--neighbours", "1", "--loop", "6000000", "--rounds", "1", "--tokens", "300"])
+    assert list(result) == ["no router", "router, busy_poll_ms 0", "router, busy_poll_ms 50"]
+    assert all(r[0]["neighbour_s"] > 0 for r in result.values())
+    quiet, polling = result["router, busy_poll_ms 0"][0], result["router, busy_poll_ms 50"][0]
+    assert quiet["requests"] >= 3 and polling["requests"] >= 3, (quiet, polling)
+    assert quiet["cpu_ms_per_request"] < 1.5 < 4 < polling["cpu_ms_per_request"], (quiet, polling)
