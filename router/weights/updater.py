@@ -16,7 +16,7 @@ import contextlib
 import logging
 import os
 import time
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Mapping
 
 from cache_policy.sharing import left_paused
 from cache_policy.types import ReplicaId
@@ -259,11 +259,16 @@ class WeightUpdater:
     def report(self, upd: Update) -> dict[str, Any]:
         return upd.report(self.core.versions.describe())
 
-    def describe(self) -> dict[str, Any]:
-        """``GET /admin/weights``: versions, rotation and each replica's update phase."""
+    def describe(self, restarting: Mapping[ReplicaId, str] | None = None) -> dict[str, Any]:
+        """``GET /admin/weights``: versions, rotation and each replica's update phase.
+        ``restarting``: replicas being restarted now, with why (``router.fleet.RESTARTING``): out
+        of rotation, as ``GET /admin/replicas`` lists them (a fresh attacker saw a dead replica
+        shown ``serving``, in rotation, for its whole restart)."""
         state = self.core.versions.describe()
         active = self.active
         for rid, rep in state["replicas"].items():
+            if restarting and rid in restarting:
+                rep["in_rotation"], rep["out_of_rotation_reason"] = False, restarting[rid]
             rec = active.replicas.get(rid) if active is not None else None
             rep["phase"] = rec.phase if rec is not None else "serving" if rep["in_rotation"] else "out"
         return {**state, "update": self.report(active) if active is not None else None,

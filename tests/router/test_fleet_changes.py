@@ -139,7 +139,7 @@ async def test_an_unknown_field_is_refused_and_an_add_whose_client_left_still_jo
     assert [r for r in caplog.records if "whose client left, succeeded" in r.getMessage()], caplog.text[-2000:]
 
 
-async def test_a_restarting_replica_is_listed_out_of_rotation_with_why_until_it_is_back():
+async def test_a_restarting_replica_is_listed_out_of_rotation_with_why_until_it_is_back_in_both_admin_views():
     # a fresh attacker: for the whole restart (67-154 s) /admin/replicas listed the dead replica
     # in rotation with no reason (routing skipped it: it was unhealthy)
     from replicas.events import ReplicaEvent
@@ -152,10 +152,18 @@ async def test_a_restarting_replica_is_listed_out_of_rotation_with_why_until_it_
         row, = body["replicas"]
         assert (row["healthy"], row["in_rotation"], row["out_of_rotation_reason"]) == (
             False, False, "restarting: its server process is gone"), row
+        # a second attacker: GET /admin/weights said the dead replica was serving, in rotation
+        _, weights, _ = await call("GET", url + "/admin/weights", headers=ADMIN)
+        shown = weights["replicas"][endpoint.replica_id]
+        assert (shown["phase"], shown["in_rotation"], shown["out_of_rotation_reason"]) == (
+            "out", False, "restarting: its server process is gone"), shown
         on_replica_event(app, ReplicaEvent("restarted", endpoint.replica_id, endpoint))
         _, body, _ = await call("GET", url + "/admin/replicas", headers=ADMIN)
         row, = body["replicas"]
         assert (row["healthy"], row["in_rotation"], row["out_of_rotation_reason"]) == (True, True, None), row
+        _, weights, _ = await call("GET", url + "/admin/weights", headers=ADMIN)
+        shown = weights["replicas"][endpoint.replica_id]
+        assert (shown["phase"], shown["in_rotation"], shown["out_of_rotation_reason"]) == ("serving", True, None), shown
 
 
 async def test_a_probe_in_flight_on_a_replica_being_restarted_is_cancelled_at_once():
