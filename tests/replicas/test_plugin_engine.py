@@ -10,8 +10,8 @@ chunked prefill and preemption alike.
 
 from __future__ import annotations
 
+import asyncio
 import random
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -162,10 +162,12 @@ def test_forced_preemption_keeps_every_row(capped_server):
     prompts.append(prompts[0])  # a duplicate: its whole input is cached once the first is done
     want = reference_rows(capped_server, prompts, p)
     before = capped_server.metric("vllm:num_preemptions_total")
-    # every request reaches the engine while it is held (SIGSTOP): released, it takes them all at
-    # once, so the three fillers decode side by side and outgrow the cache. Sent to a running
-    # engine, two CI runs saw none preempted: the engine ran them one at a time (a passing run's
-    # log showed "Running: 1 reqs, Waiting: 7 reqs" at 52.6% of the cache)
+    # the three fillers run side by side before the scored requests are sent: 3 x (600 + 1,200)
+    # tokens need 339 of the 96 blocks, so the engine preempts by construction, the scored
+    # requests last admitted first. Sent to a running engine, two CI runs saw none preempted (the
+    # engine ran them one at a time: "Running: 1 reqs, Waiting: 7 reqs" at 52.6% of the cache);
+    # held and released after fixed sleeps, a slow host's HTTP threads could still miss the hold.
+    # So the engine runs in bursts until its own gauge shows the three running (tests/engine_brake)
     brake = EngineBrake(capped_server.proc.pid)
     try:
         for _ in range(3):  # should one load still not preempt: again, rows checked each time
@@ -174,9 +176,9 @@ def test_forced_preemption_keeps_every_row(capped_server):
             with ThreadPoolExecutor(len(fillers) + len(prompts)) as pool:
                 brake.hold()
                 running = [pool.submit(capped_server.generate, ids, 1200) for ids in fillers]
-                time.sleep(0.5)  # the fillers first in the engine's queue: they hold most of the cache
+                asyncio.run(brake.hold_when(lambda: capped_server.metric("vllm:num_requests_running") >= 3,
+                                            timeout_s=120, what="the three fillers running side by side"))
                 scored = [pool.submit(capped_server.score, ids, p - 1) for ids in prompts]
-                time.sleep(1.0)
                 brake.release()
                 results = [f.result() for f in scored]
                 assert all(f.result().status == 200 for f in running)
