@@ -13,11 +13,12 @@ fixed work ends each run).
     python -m bench.h2h.neighbours                         # busy_poll_ms 0 vs 50, 2 rounds
     python -m bench.h2h.neighbours --poll-ms 0 5 50 --rounds 3
 
-One run on this project's 2-vCPU VM (session 31, NOTES "Busy polling, what it costs"): two
-neighbours took 2.7-2.8 s alone, the same with a router not polling, and 5.1-5.4 s beside a
-polling one (1.9x); a polling loop that backed off at the first involuntary context switch left
-them at 2.6-2.8 s but lost the whole latency gain in ``bench.h2h.ab`` (there the other routers,
-the client and the replica are the neighbours). So polling stays opt-in.
+One run on this project's 2-vCPU VM (session 31, NOTES "Session 31"): two neighbours took 2.81 s
+alone, 2.72 s beside a router not polling and 5.11 s beside a polling one (1.82x), whose requests
+were no faster (p50 0.92 vs 0.97 ms: with both CPUs taken, polling buys little). A polling loop
+that backed off at the first involuntary context switch left them unslowed but lost the whole
+latency gain in ``bench.h2h.ab`` (there the other routers, the client and the replica are the
+neighbours). So polling stays opt-in.
 """
 
 from __future__ import annotations
@@ -127,7 +128,7 @@ async def run(args: argparse.Namespace) -> dict[str, list[dict[str, float]]]:
 
 
 def _name(setting: int | None) -> str:
-    return "no router" if setting is None else f"router, busy_poll_ms {setting}"
+    return "no router" if setting is None else f"busy_poll_ms {setting}"
 
 
 def main(argv: list[str] | None = None) -> dict[str, list[dict[str, float]]]:
@@ -152,8 +153,8 @@ def main(argv: list[str] | None = None) -> dict[str, list[dict[str, float]]]:
     alone = float(np.mean([r["neighbour_s"] for r in result["no router"]]))
     table = Table(title=f"{args.neighbours} CPU-bound neighbours beside a router serving one {args.tokens}-token "
                         f"prompt every {args.gap_ms:g} ms ({args.rounds} rounds, means)")
-    for col in ("setting", "neighbours s", "vs no router", "router p50 ms", "router CPU ms / request"):
-        table.add_column(col, justify="left" if col == "setting" else "right")
+    for col in ("router", "neighbours s", "vs no router", "router p50 ms", "router CPU ms / request"):
+        table.add_column(col, justify="left" if col == "router" else "right")
     for name, rows in result.items():
         mean = float(np.mean([r["neighbour_s"] for r in rows]))
         router = [r for r in rows if "p50_ms" in r]
