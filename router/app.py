@@ -25,7 +25,7 @@ from router.lifecycle import Lifecycle
 from router.metrics import RouterMetrics, metrics_middleware
 from router.parse import Limits
 from router.pool import ReplicaPool
-from router.scrape import EngineProbes, ScrapeRounds
+from router.scrape import EngineProbes, ScrapeRounds, load_of
 from router.shutdown import SHUTDOWN
 from router.state import make_state
 from router.state.sync import state_sync_ctx
@@ -188,6 +188,10 @@ async def _scrape_loop(app: web.Application, interval_s: float, rounds: ScrapeRo
                     why = "its engine stalled" if core.stalled(rid, time.monotonic()) else \
                         "it stopped answering its metrics scrapes"
                     app[keys.LIFECYCLE].abandon(rid, f"replica {rid}: {why}")
+            if state.restarted:
+                state.restarted = False
+                if fleet.server_restarted(app, rid):
+                    core.observe_load(rid, load_of(state.metrics), started)  # the scrape that found it
         for exc in results:
             if isinstance(exc, Exception) and repr(type(exc)) not in seen:
                 seen.add(repr(type(exc)))

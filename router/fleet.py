@@ -101,6 +101,8 @@ def on_replica_event(app: web.Application, event: ReplicaEvent) -> None:
             restarting.pop(rid, None)
     if kind in ("added", "restarted"):
         _set_endpoint(pool, endpoint)
+        state = pool.get(rid)
+        state.gone = state.restarted = False  # this is the restart its scrapes would find
         if kind == "added" or rid not in core.replicas:
             core.add_replica(rid, block_size=endpoint.block_size, num_gpu_blocks=endpoint.num_gpu_blocks,
                              scoring_cap=endpoint.scoring_cap)
@@ -130,6 +132,32 @@ def on_replica_event(app: web.Application, event: ReplicaEvent) -> None:
         if kind in ("unhealthy", "restarting", "removed"):  # a hung engine would hold them until the timeout
             app[keys.LIFECYCLE].abandon(rid, f"replica {rid} {kind}{f': {event.reason}' if event.reason else ''}")
         app[keys.LIFECYCLE].rotation_changed()
+
+
+def server_restarted(app: web.Application, rid: str) -> bool:
+    """``rid``'s server answered a metrics scrape as a new process (``router.scrape.scrape_once``:
+    a scrape was refused since its last answer, nothing listening on its port, or its token
+    counters went back): restarted by something other than this router (a pod's restart policy,
+    an operator), at the same URL. Taken as the restart it is (:func:`on_replica_event`
+    ``restarted``: its KV cache, index entries and pins forgotten, its version the initial one, as
+    it serves its start-up weights), then brought to the fleet's version before it takes work
+    (``WeightUpdater.rejoined``): else its answers named the version this router recorded for
+    it before (a new user saw one serve its start-up weights under the fleet's version). A
+    replica this router launched restarts through its replica set's events instead. Whether it
+    was taken as restarted here."""
+    replica_set = app.get(FLEET)
+    if rid not in app[keys.CORE].replicas or rid not in app[keys.POOL] or (
+            replica_set is not None and replica_set.launched(rid)):
+        return False
+    log.warning("replica %s: its server answers as a new process (restarted by something other than this router): "
+                "its cache is empty and it serves its start-up weights; brought to the fleet's version before it "
+                "takes work", rid)
+    on_replica_event(app, ReplicaEvent("restarted", rid, app[keys.POOL].get(rid).endpoint,
+                                       "its server restarted (not by this router)"))
+    updater = app.get(keys.WEIGHT_UPDATER)
+    if updater is not None:
+        updater.rejoined(rid, "since its server restarted")
+    return True
 
 
 def _shared(app: web.Application):

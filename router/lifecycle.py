@@ -437,6 +437,8 @@ class Lifecycle:
         unreachable, abandoned = isinstance(exc, ReplicaUnreachable), isinstance(exc, Abandoned)
         if unreachable:
             outcome: Outcome = "down" if exc.refused else "unreachable"
+            if exc.refused and rid in self.pool:  # nothing listens: the server that answers next is a new one
+                self.pool.get(rid).gone = True
         else:
             outcome = "abandoned" if abandoned else "retry"
         if not abandoned:

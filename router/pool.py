@@ -31,6 +31,13 @@ class ReplicaState:
     went_silent: bool = False
     """A scrape took it out of rotation as silent (it was healthy before): the scrape loop takes
     its requests in flight back, once, whichever round that scrape finished in."""
+    gone: bool = False
+    """A scrape was refused since its last answer (``ECONNREFUSED``: nothing listened on its
+    port, so the server process that answered before is gone)."""
+    restarted: bool = False
+    """A scrape found a new server process behind its URL (it answered after :attr:`gone`, or its
+    token counters went back): unhealthy until the scrape loop takes it as the restart it is
+    (``router.fleet.server_restarted``), once, whichever round that scrape finished in."""
 
 
 class ReplicaPool:

@@ -30,7 +30,10 @@ async def scrape_once(http: aiohttp.ClientSession, state: ReplicaState, core: De
     """Fetch one replica's metrics into ``state`` and the core. A refused connection, or
     ``FAILURES_OUT_OF_ROTATION`` failed scrapes in a row, mark it unhealthy until it answers again;
     so does an engine the core finds stalled (``DecisionCore.stalled``: holding requests, finishing
-    no token), until it no longer is (counted in ``rollout_router_replica_stalls_total``)."""
+    no token), until it no longer is (counted in ``rollout_router_replica_stalls_total``). A
+    server that answers as a new process (a scrape was refused since its last answer, or its
+    token counters went back) stays unhealthy, ``state.restarted`` set, for the scrape loop to
+    take as restarted (``router.fleet.server_restarted``)."""
     rid = state.endpoint.replica_id
     timeout = aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT_S)
     healthy = core.replicas[rid].healthy if rid in core.replicas else True
@@ -43,17 +46,26 @@ async def scrape_once(http: aiohttp.ClientSession, state: ReplicaState, core: De
         state.scrape_failures += 1
         state.silent = isinstance(exc, asyncio.TimeoutError)
         refused = isinstance(exc, aiohttp.ClientConnectorError)
+        state.gone = state.gone or (refused and isinstance(exc.os_error, ConnectionRefusedError))  # type: ignore[union-attr]
         if healthy and (refused or state.scrape_failures >= FAILURES_OUT_OF_ROTATION):
-            log.warning("replica %s failed %d metrics scrape(s), out of rotation: %r", rid, state.scrape_failures, exc)
+            log.warning("replica %s failed %d metrics scrape(s): unhealthy, no request is sent there until a scrape "
+                        "answers: %r", rid, state.scrape_failures, exc)
             core.set_health(rid, False)
             state.went_silent = state.went_silent or state.silent
     else:
         state.metrics = m
         state.scrape_failures = 0
         rec = core.replicas.get(rid)
+        if rec is not None and (state.gone or m.prompt_tokens + m.generation_tokens < rec.load.finished_tokens):
+            # a new process behind the URL (vLLM's counters start at 0): its cache is empty and it
+            # serves its start-up weights, whatever this router recorded; routed to as it was, its
+            # answers would name the fleet's version. Out until the scrape loop takes the restart
+            state.gone, state.restarted = False, True
+            core.set_health(rid, False)
+            metrics.healthy.labels(rid).set(0)
+            return
         stalls_before = rec.stalls if rec is not None else 0
-        core.observe_load(rid, ReplicaLoad(m.kv_cache_usage, m.num_running, m.num_waiting, m.num_gpu_blocks,
-                                           m.num_preemptions, m.prompt_tokens + m.generation_tokens), started_at)
+        core.observe_load(rid, load_of(m), started_at)
         if rec is not None and rec.stalls > stalls_before:  # every stall, also those in a row while out
             metrics.stalls.labels(rid).inc()
         state.silent = core.stalled(rid, started_at)
@@ -67,6 +79,12 @@ async def scrape_once(http: aiohttp.ClientSession, state: ReplicaState, core: De
         if metrics.live(rid):  # (one that left while its scrape was under way has no gauges)
             metrics.kv_usage.labels(rid).set(m.kv_cache_usage)
     metrics.healthy.labels(rid).set(1 if rid in core.replicas and core.replicas[rid].healthy else 0)
+
+
+def load_of(m) -> ReplicaLoad:
+    """The decision core's view of one scrape (``replicas.metrics.VllmMetrics``)."""
+    return ReplicaLoad(m.kv_cache_usage, m.num_running, m.num_waiting, m.num_gpu_blocks, m.num_preemptions,
+                       m.prompt_tokens + m.generation_tokens)
 
 
 PROBE_BODY = {"prompt": [0], "max_tokens": 1, "temperature": 0}

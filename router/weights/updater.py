@@ -260,8 +260,9 @@ class WeightUpdater:
         return upd.report(self.core.versions.describe())
 
     def describe(self, restarting: Mapping[ReplicaId, str] | None = None) -> dict[str, Any]:
-        """``GET /admin/weights``: versions, rotation and each replica's update phase.
-        ``restarting``: replicas being restarted now, with why (``router.fleet.RESTARTING``): out
+        """``GET /admin/weights``: versions, rotation, health and each replica's update phase
+        (outside an update: ``serving``; ``unhealthy``, in rotation but not routed to: its scrapes
+        or requests failed, or its engine stalled; ``out`` of rotation). ``restarting``: replicas being restarted now, with why (``router.fleet.RESTARTING``): out
         of rotation, as ``GET /admin/replicas`` lists them (a fresh attacker saw a dead replica
         shown ``serving``, in rotation, for its whole restart)."""
         state = self.core.versions.describe()
@@ -269,8 +270,11 @@ class WeightUpdater:
         for rid, rep in state["replicas"].items():
             if restarting and rid in restarting:
                 rep["in_rotation"], rep["out_of_rotation_reason"] = False, restarting[rid]
+            replica = self.core.replicas.get(rid)
+            rep["healthy"] = replica is not None and replica.healthy
             rec = active.replicas.get(rid) if active is not None else None
-            rep["phase"] = rec.phase if rec is not None else "serving" if rep["in_rotation"] else "out"
+            rep["phase"] = (rec.phase if rec is not None else "out" if not rep["in_rotation"]
+                            else "serving" if rep["healthy"] else "unhealthy")
         return {**state, "update": self.report(active) if active is not None else None,
                 "last_update": self.report(self.last) if self.last is not None else None}
 

@@ -254,11 +254,11 @@ class FakeVllm:
 
 
 @contextlib.asynccontextmanager
-async def serving(fake: FakeVllm) -> AsyncIterator[str]:
-    """Serve ``fake`` on a free loopback port; yield its base URL."""
+async def serving(fake: FakeVllm, port: int = 0) -> AsyncIterator[str]:
+    """Serve ``fake`` on a loopback port (``port``; 0: a free one); yield its base URL."""
     runner = web.AppRunner(fake.app(), access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
+    site = web.TCPSite(runner, "127.0.0.1", port, reuse_address=True)
     await site.start()
     try:
         yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]

@@ -196,8 +196,6 @@ async def test_a_probe_in_flight_on_a_replica_being_restarted_is_cancelled_at_on
                 while len(servers[0].bodies) < 2:  # the slot is free: the new engine is probed in its turn
                     assert time.monotonic() < deadline, "the replica back from its restart was never probed"
                     await asyncio.sleep(0.05)
-                await asyncio.sleep(0.3)
-                assert not (await row())["probing"]
 
 
 async def _ok(_):

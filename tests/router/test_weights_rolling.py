@@ -4,12 +4,16 @@ in front of fake vLLM servers with the weight-update endpoints). A fresh attacke
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import time
+
 import aiohttp
 import pytest
 
 from router import keys
 from tests.router.fake_vllm import FakeVllm, serving
-from tests.router.test_fleet_changes import ADMIN, router
+from tests.router.test_fleet_changes import ADMIN, call, router
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -66,3 +70,94 @@ async def test_a_version_the_fleet_has_is_not_loaded_from_another_folder_nor_its
             assert status == 200 and report == first, report
         assert [f.loads for f in fakes] == [["ckpt-1"], ["ckpt-1"]]
         assert (versions.current, versions.policy) == (1, "salt")
+
+
+async def _restarted_at_the_same_url(old: contextlib.AbstractAsyncContextManager, port: int, gap_s: float,
+                                     fresh: FakeVllm) -> contextlib.AbstractAsyncContextManager:
+    """Stop ``old`` (a ``serving`` context entered by the caller), wait ``gap_s``, serve ``fresh``
+    on the same ``port``: a server restarted by something other than the router (a pod's
+    restart policy), on its start-up weights."""
+    await old.__aexit__(None, None, None)
+    await asyncio.sleep(gap_s)
+    new = serving(fresh, port)
+    await new.__aenter__()
+    return new
+
+
+@pytest.mark.parametrize("gap_s, scrape_s", [(1.0, 0.1), (0.0, 1.5)],
+                         ids=["refused-while-down", "back-before-a-scrape-missed-it"])
+async def test_a_server_given_by_url_restarted_by_someone_else_is_caught_up_before_its_answers_name_a_version(
+        gap_s, scrape_s):
+    # a new user: a URL server that came back after a restart served its start-up weights while
+    # the router went on naming the fleet's version for its answers (it never knew it restarted).
+    # Seen as a restart either way: its scrapes refused (nothing listened on its port) or, back
+    # before a scrape missed it, its token counters went back
+    fakes = [FakeVllm(), FakeVllm()]
+    ctx = serving(fakes[1])
+    async with serving(fakes[0]) as u0:
+        u1 = await ctx.__aenter__()
+        port = int(u1.rsplit(":", 1)[1])
+        try:
+            async with router([u0, u1], scrape_interval_s=scrape_s) as (url, app, _rs):
+                assert (await update(url, "ckpt-1"))["ok"]
+                async with aiohttp.ClientSession() as http:
+                    for i in range(4):  # traffic on both: token counters > 0
+                        async with http.post(url + "/v1/completions", json={"prompt": [7 + i] * 40, "max_tokens": 1},
+                                             headers={"X-Session-Id": f"s{i}"}) as r:
+                            assert r.status == 200
+                    assert fakes[1].prompt_tokens > 0
+                    while app[keys.CORE].replicas["replica-1"].load.finished_tokens == 0:  # a scrape saw them
+                        await asyncio.sleep(0.05)
+                    fresh = FakeVllm()
+                    ctx = await _restarted_at_the_same_url(ctx, port, gap_s, fresh)
+                    if not gap_s:  # back at once: only its counters tell, at the next scrape (no request
+                        await asyncio.sleep(2 * scrape_s)  # can tell before: they are answered as before)
+                    deadline = time.monotonic() + 20
+                    answers = []
+                    while not fresh.loads or time.monotonic() < deadline - 15:  # and a while after it
+                        assert time.monotonic() < deadline, "the restarted server was never caught up"
+                        prompt = [3 + len(answers) % 900] * 40  # new prompts: placed by load, on both
+                        async with http.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 1}) as r:
+                            assert r.status == 200
+                            answers.append((r.headers["X-Rollout-Replica"], (await r.json())["rollout_router"],
+                                            fresh.weights))
+                        await asyncio.sleep(0.05)
+                    core = app[keys.CORE]
+                    assert fresh.loads == ["ckpt-1"] and core.versions.loaded["replica-1"] == 1
+                    # no answer from the restarted server named version 1 before it had version 1's weights
+                    wrong = [a for a in answers if a[0] == "replica-1" and a[1]["weight_version"] == 1
+                             and a[2] != "ckpt-1"]
+                    assert not wrong, wrong
+                    assert any(a[0] == "replica-1" and a[2] == "ckpt-1" for a in answers), answers  # it serves again
+                    _, weights, _ = await call("GET", url + "/admin/weights", headers=ADMIN)
+                    shown = weights["replicas"]["replica-1"]
+                    assert (shown["phase"], shown["weight_version"], shown["in_rotation"]) == ("serving", 1, True), shown
+        finally:
+            await ctx.__aexit__(None, None, None)
+
+
+async def test_a_server_gone_down_is_shown_unhealthy_not_serving_by_get_admin_weights():
+    # a new user: a killed server read `serving`, in rotation, in GET /admin/weights (no health
+    # field there), while the router had stopped routing to it
+    fakes = [FakeVllm(), FakeVllm()]
+    ctx = serving(fakes[1])
+    async with serving(fakes[0]) as u0:
+        u1 = await ctx.__aenter__()
+        try:
+            async with router([u0, u1], scrape_interval_s=0.1) as (url, app, _rs):
+                _, weights, _ = await call("GET", url + "/admin/weights", headers=ADMIN)
+                assert [(r["phase"], r["healthy"]) for r in weights["replicas"].values()] == [("serving", True)] * 2
+                await ctx.__aexit__(None, None, None)
+                ctx = contextlib.nullcontext()
+                deadline = time.monotonic() + 10
+                while app[keys.CORE].replicas["replica-1"].healthy:
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.05)
+                _, weights, _ = await call("GET", url + "/admin/weights", headers=ADMIN)
+                shown = weights["replicas"]["replica-1"]
+                assert (shown["phase"], shown["healthy"], shown["in_rotation"]) == ("unhealthy", False, True), shown
+                _, replicas, _ = await call("GET", url + "/admin/replicas", headers=ADMIN)
+                row = next(r for r in replicas["replicas"] if r["replica"] == "replica-1")
+                assert (row["healthy"], row["in_rotation"]) == (False, True), row
+        finally:
+            await ctx.__aexit__(None, None, None)
