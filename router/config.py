@@ -142,10 +142,12 @@ class RouterConfig:
     and its sockets) or asyncio (the standard library's)."""
     busy_poll_ms: float = 0.0
     """After each API request ends (one whose API key the router accepted), the event loop polls
-    without sleeping for this many milliseconds (``router.busy_poll``): a request that follows
-    within it finds the router awake instead of waking a halted CPU (0.35-0.75 ms less added
-    latency on this project's VMs; README, Busy polling), for up to one CPU core while requests
-    keep coming; 0: off (the loop sleeps whenever it waits)."""
+    without sleeping for this many milliseconds (module ``router/busy_poll.py``): a request that
+    follows within it finds the router awake instead of waking a halted CPU (about 0.2-0.3 ms
+    less added latency on new prompts on this project's VMs, side by side; README, Busy polling),
+    for up to one CPU core while requests keep coming, which other work on the machine then lacks
+    (CPU-bound neighbours took 1.8x as long: ``bench.h2h.neighbours``); 0: off (the loop sleeps
+    whenever it waits)."""
     fast_lane: bool = True
     """Serve plain non-streamed ``POST /v1/completions`` requests on a bare asyncio protocol
     (``router.fastlane``: about 0.37 ms less per request than aiohttp's server), the same

@@ -4,19 +4,19 @@
 4,000-token prompts here) by keeping the event loop running instead of sleeping between requests.
 That CPU is not free when anything else on the machine wants it: this bench runs ``--neighbours``
 CPU-bound processes (a fixed Python loop each; default one per CPU) while a client sends one
-``--tokens``-token prompt every ``--gap-ms`` through one checkout's router to a zero-cost simulated
+``--tokens``-token prompt at a time, pausing ``--gap-ms`` after each answer, through this checkout's router to a zero-cost simulated
 replica (``bench.h2h.replicas_main --cost zero``), for each setting in turn, ``--rounds`` times
 interleaved, and prints the neighbours' mean time over their time with no router at all, beside the
-router's p50 latency and CPU per request. Loopback only; every loop is bounded (the neighbours'
+client's round trip through the router and replica (p50) and the router's CPU per request. Loopback only; every loop is bounded (the neighbours'
 fixed work ends each run).
 
-    python -m bench.h2h.neighbours                         # busy_poll_ms 0 vs 50, 2 rounds
-    python -m bench.h2h.neighbours --poll-ms 0 5 50 --rounds 3
+    .venv/bin/python -m bench.h2h.neighbours                     # busy_poll_ms 0 vs 50, 2 rounds
+    .venv/bin/python -m bench.h2h.neighbours --poll-ms 0 5 50 --rounds 3
 
 One run on this project's 2-vCPU VM (session 31, NOTES "Session 31"): two neighbours took 2.81 s
 alone, 2.72 s beside a router not polling and 5.11 s beside a polling one (1.82x), whose requests
 were no faster (p50 0.92 vs 0.97 ms: with both CPUs taken, polling buys little). A polling loop
-that backed off at the first involuntary context switch left them unslowed but lost the whole
+that backed off at the first involuntary context switch (an experiment, not kept) left them unslowed but lost the whole
 latency gain in ``bench.h2h.ab`` (there the other routers, the client and the replica are the
 neighbours). So polling stays opt-in.
 """
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> dict[str, list[dict[str, float]]]:
     p.add_argument("--neighbours", type=int, default=len(os.sched_getaffinity(0)),
                    help="CPU-bound neighbour processes (default: one per CPU)")
     p.add_argument("--loop", type=int, default=60_000_000, help="iterations of each neighbour's loop (default 6e7)")
-    p.add_argument("--gap-ms", type=float, default=10.0, help="the client's pause between requests (default 10)")
+    p.add_argument("--gap-ms", type=float, default=10.0, help="the client's pause after each answer (default 10)")
     p.add_argument("--tokens", type=int, default=4000, help="token IDs per prompt (default 4000)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
@@ -151,9 +151,9 @@ def main(argv: list[str] | None = None) -> dict[str, list[dict[str, float]]]:
     except RuntimeError as exc:
         p.exit(1, f"bench.h2h.neighbours: {exc}\n")
     alone = float(np.mean([r["neighbour_s"] for r in result["no router"]]))
-    table = Table(title=f"{args.neighbours} CPU-bound neighbours beside a router serving one {args.tokens}-token "
-                        f"prompt every {args.gap_ms:g} ms ({args.rounds} rounds, means)")
-    for col in ("router", "neighbours s", "vs no router", "router p50 ms", "router CPU ms / request"):
+    table = Table(title=f"{args.neighbours} CPU-bound neighbours beside a router serving {args.tokens}-token prompts "
+                        f"one at a time, {args.gap_ms:g} ms apart ({args.rounds} rounds, means)")
+    for col in ("router", "neighbours s", "vs no router", "round trip p50 ms", "router CPU ms / request"):
         table.add_column(col, justify="left" if col == "router" else "right")
     for name, rows in result.items():
         mean = float(np.mean([r["neighbour_s"] for r in rows]))
