@@ -161,3 +161,34 @@ async def test_a_server_gone_down_is_shown_unhealthy_not_serving_by_get_admin_we
                 assert (row["healthy"], row["in_rotation"]) == (False, True), row
         finally:
             await ctx.__aexit__(None, None, None)
+
+
+async def test_a_server_an_update_failed_on_while_it_was_down_is_caught_up_once_it_is_back():
+    # a new user: a URL server down during an update was reported failed and stayed out for good
+    # once back (only the same update posted again brought it back)
+    fakes = [FakeVllm(), FakeVllm()]
+    ctx = serving(fakes[1])
+    async with serving(fakes[0]) as u0:
+        u1 = await ctx.__aenter__()
+        port = int(u1.rsplit(":", 1)[1])
+        try:
+            async with router([u0, u1], scrape_interval_s=0.1) as (url, app, _rs):
+                await ctx.__aexit__(None, None, None)
+                ctx = contextlib.nullcontext()
+                report = await update(url, "ckpt-1")
+                phases = {r["replica"]: r["phase"] for r in report["replicas"]}
+                assert not report["ok"] and phases == {"replica-0": "done", "replica-1": "failed"}, report
+                fresh = FakeVllm()
+                ctx = serving(fresh, port)
+                await ctx.__aenter__()
+                deadline = time.monotonic() + 20
+                while True:
+                    _, weights, _ = await call("GET", url + "/admin/weights", headers=ADMIN)
+                    shown = weights["replicas"]["replica-1"]
+                    if shown["phase"] == "serving":
+                        break
+                    assert time.monotonic() < deadline, shown
+                    await asyncio.sleep(0.05)
+                assert fresh.loads == ["ckpt-1"] and fresh.weights == "ckpt-1" and shown["weight_version"] == 1, shown
+        finally:
+            await ctx.__aexit__(None, None, None)
