@@ -20,6 +20,7 @@ SAMPLES: dict[str, str] = {
     "num_preemptions": "vllm:num_preemptions_total",
     "prompt_tokens": "vllm:prompt_tokens_total",
     "generation_tokens": "vllm:generation_tokens_total",
+    "process_start_s": "process_start_time_seconds",
 }
 CACHE_CONFIG_INFO = "vllm:cache_config_info"
 SCORING_CAP_GAUGE = "rollout_router_scoring_cap_active"
@@ -51,6 +52,10 @@ class VllmMetrics:
     """KV block size in tokens from ``vllm:cache_config_info`` (0 when absent)."""
     num_gpu_blocks: int = 0
     """KV cache size in blocks from ``vllm:cache_config_info`` (0 when absent)."""
+    process_start_s: float = 0.0
+    """When the API server process started, seconds since the epoch (``process_start_time_seconds``,
+    prometheus_client's process collector): another value is another process. 0 when absent
+    (vLLM serving with several API server processes exports no process metrics)."""
 
 
 def parse_vllm_metrics(text: str) -> VllmMetrics:
@@ -86,7 +91,7 @@ def delta(after: VllmMetrics, before: VllmMetrics) -> VllmMetrics:
 
 
 def _typed(field_name: str, value: float) -> float | int:
-    return value if field_name == "kv_cache_usage" else int(round(value))
+    return value if field_name in ("kv_cache_usage", "process_start_s") else int(round(value))
 
 
 def _label_int(labels: dict[str, str], key: str) -> int:

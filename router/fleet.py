@@ -103,6 +103,7 @@ def on_replica_event(app: web.Application, event: ReplicaEvent) -> None:
         _set_endpoint(pool, endpoint)
         state = pool.get(rid)
         state.gone = state.restarted = False  # this is the restart its scrapes would find
+        state.process_start_s = 0.0
         if kind == "added" or rid not in core.replicas:
             core.add_replica(rid, block_size=endpoint.block_size, num_gpu_blocks=endpoint.num_gpu_blocks,
                              scoring_cap=endpoint.scoring_cap)
@@ -113,7 +114,8 @@ def on_replica_event(app: web.Application, event: ReplicaEvent) -> None:
     elif kind in ("unhealthy", "restarting"):
         core.set_health(rid, False)
     elif kind == "healthy":
-        core.set_health(rid, True)
+        if rid not in pool or not pool.get(rid).gone:  # else a new process: the scrape loop takes it
+            core.set_health(rid, True)
     elif kind == "draining":
         core.set_rotation(rid, "draining")
     elif kind == "removed":
@@ -136,8 +138,8 @@ def on_replica_event(app: web.Application, event: ReplicaEvent) -> None:
 
 def server_restarted(app: web.Application, rid: str) -> bool:
     """``rid``'s server answered a metrics scrape as a new process (``router.scrape.scrape_once``:
-    a scrape was refused since its last answer, nothing listening on its port, or its token
-    counters went back): restarted by something other than this router (a pod's restart policy,
+    another process start time, a scrape or request refused since its last answer, nothing
+    listening on its port, or token counters that went back): restarted by something other than this router (a pod's restart policy,
     an operator), at the same URL. Taken as the restart it is (:func:`on_replica_event`
     ``restarted``: its KV cache, index entries and pins forgotten, its version the initial one, as
     it serves its start-up weights), then brought to the fleet's version before it takes work
@@ -156,6 +158,13 @@ def server_restarted(app: web.Application, rid: str) -> bool:
                                        "its server restarted (not by this router)"))
     updater = app.get(keys.WEIGHT_UPDATER)
     if updater is not None:
+        core = app[keys.CORE]
+        if updater.steps.folder_of_version(core.versions.current) is not None:
+            # it serves its own command line's model, which this router cannot see: the initial
+            # version only by assumption (a fresh attacker's router, started with
+            # --initial-weight-version 1 before servers on seed-0 models, named 1 for theirs);
+            # with the fleet's folder known it is reloaded, whatever it serves
+            core.version_loaded(rid, None)
         updater.rejoined(rid, "since its server restarted")
     return True
 

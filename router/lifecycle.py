@@ -459,8 +459,8 @@ class Lifecycle:
         if rid is not None:
             self.metrics.set_in_flight(rid, self.core.in_flight(rid))
         for out, outcome, failures in self.core.taken_out():
-            log.warning("replica %s out of rotation: %d failed request(s) in a row (last: %s); a scrape that "
-                        "reaches it puts it back", out, failures, outcome)
+            log.warning("replica %s unhealthy: %d failed request(s) in a row (last: %s); no request is sent "
+                        "there until a scrape reaches it", out, failures, outcome)
             self.metrics.healthy.labels(out).set(0)
         self.pump()
 

@@ -34,9 +34,12 @@ class ReplicaState:
     gone: bool = False
     """A scrape was refused since its last answer (``ECONNREFUSED``: nothing listened on its
     port, so the server process that answered before is gone)."""
+    process_start_s: float = 0.0
+    """Its server process's start time at its last answered scrape (``VllmMetrics.process_start_s``;
+    0: not known)."""
     restarted: bool = False
-    """A scrape found a new server process behind its URL (it answered after :attr:`gone`, or its
-    token counters went back): unhealthy until the scrape loop takes it as the restart it is
+    """A scrape found a new server process behind its URL (another process start time, an answer
+    after :attr:`gone`, or token counters that went back): unhealthy until the scrape loop takes it as the restart it is
     (``router.fleet.server_restarted``), once, whichever round that scrape finished in."""
 
 

@@ -56,10 +56,14 @@ async def scrape_once(http: aiohttp.ClientSession, state: ReplicaState, core: De
         state.metrics = m
         state.scrape_failures = 0
         rec = core.replicas.get(rid)
-        if rec is not None and (state.gone or m.prompt_tokens + m.generation_tokens < rec.load.finished_tokens):
-            # a new process behind the URL (vLLM's counters start at 0): its cache is empty and it
-            # serves its start-up weights, whatever this router recorded; routed to as it was, its
-            # answers would name the fleet's version. Out until the scrape loop takes the restart
+        before, state.process_start_s = state.process_start_s, m.process_start_s or state.process_start_s
+        another_process = before > 0 and m.process_start_s > 0 and m.process_start_s != before
+        if rec is not None and (another_process or state.gone
+                                or m.prompt_tokens + m.generation_tokens < rec.load.finished_tokens):
+            # a new process behind the URL (another start time; nothing listened a while ago;
+            # vLLM's counters start at 0): its cache is empty and it serves its start-up weights,
+            # whatever this router recorded; routed to as it was, its answers would name the
+            # fleet's version. Out until the scrape loop takes the restart
             state.gone, state.restarted = False, True
             core.set_health(rid, False)
             metrics.healthy.labels(rid).set(0)

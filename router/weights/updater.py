@@ -139,7 +139,8 @@ class WeightUpdater:
         self.steps.missed.discard(rid)
         versions = self.core.versions
         if rid in self.core.replicas and versions.loaded.get(rid) != versions.current:
-            reason = (f"catching up: serves version {versions.loaded.get(rid)} {why}, "
+            loaded = versions.loaded.get(rid)
+            reason = (f"catching up: serves {'unknown weights' if loaded is None else f'version {loaded}'} {why}, "
                       f"the fleet serves {versions.current}")
             self.core.set_rotation(rid, reason)
             self.life.rotation_changed()
@@ -230,8 +231,7 @@ class WeightUpdater:
                 return self._leave_out(rid, f"serves version {versions.loaded.get(rid)}, not the fleet's; version "
                                             f"{current} was pushed without a folder: the next "
                                             "update brings it along")
-            log.info("replica %s serves version %s after its (re)start: loading version %s from %s",
-                     rid, versions.loaded.get(rid), current, path)
+            log.info("replica %s %s: loading version %s from %s", rid, reason, current, path)
             req = UpdateRequest(current, path, versions.policy, "rolling", "wait", False, (rid,),
                                 drain_timeout_s=CATCH_UP_DRAIN_S)
             try:

@@ -23,6 +23,7 @@ def test_real_page_parses_to_exact_values():
         generation_tokens=671,
         block_size=32,
         num_gpu_blocks=16384,
+        process_start_s=1.79601255214e+09,  # the page's process_start_time_seconds
     )
 
 

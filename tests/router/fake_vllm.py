@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import json
 import re
+import time
 from pathlib import Path
 from typing import AsyncIterator
 
@@ -53,7 +54,8 @@ class FakeVllm:
         self.block_size, self.model, self.root, self.vocab_size = block_size, model, root, vocab_size
         self.dev_mode = dev_mode
         """The weight-update endpoints are served (vLLM's ``VLLM_SERVER_DEV_MODE=1``); else they 404."""
-        self.page = metrics_page(block_size, num_gpu_blocks)
+        self.page = re.sub(r"(?m)^process_start_time_seconds .*$", f"process_start_time_seconds {time.time():.2f}",
+                           metrics_page(block_size, num_gpu_blocks))  # each fake its own process
         self.bodies: list[dict] = []
         self._cached: set[tuple[int, ...]] = set()
         self.delay_s = 0.0

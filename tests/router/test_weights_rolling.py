@@ -72,6 +72,16 @@ async def test_a_version_the_fleet_has_is_not_loaded_from_another_folder_nor_its
         assert (versions.current, versions.policy) == (1, "salt")
 
 
+async def _scraped(app, rid: str, timeout_s: float = 10.0) -> None:
+    """Until a scrape of ``rid`` was answered (its server's process start time is known), as in a
+    router that has served a while: a server killed under the router's first scrape, whose scrape
+    then hangs, leaves nothing to compare the next process with."""
+    deadline = time.monotonic() + timeout_s
+    while not app[keys.POOL].get(rid).process_start_s:
+        assert time.monotonic() < deadline, f"no scrape of {rid} answered"
+        await asyncio.sleep(0.02)
+
+
 async def _restarted_at_the_same_url(old: contextlib.AbstractAsyncContextManager, port: int, gap_s: float,
                                      fresh: FakeVllm) -> contextlib.AbstractAsyncContextManager:
     """Stop ``old`` (a ``serving`` context entered by the caller), wait ``gap_s``, serve ``fresh``
@@ -190,5 +200,68 @@ async def test_a_server_an_update_failed_on_while_it_was_down_is_caught_up_once_
                     assert time.monotonic() < deadline, shown
                     await asyncio.sleep(0.05)
                 assert fresh.loads == ["ckpt-1"] and fresh.weights == "ckpt-1" and shown["weight_version"] == 1, shown
+        finally:
+            await ctx.__aexit__(None, None, None)
+
+
+async def test_a_restarted_url_server_is_reloaded_even_at_the_routers_initial_version():
+    # a fresh attacker: a router started with --initial-weight-version 1 (its servers had taken
+    # version 1 from an earlier router) took a server restarted on its seed-0 start-up model for
+    # version 1, the initial one, and named 1 for its answers
+    fakes = [FakeVllm(), FakeVllm()]
+    for f in fakes:
+        f.weights = "ckpt-1"
+    ctx = serving(fakes[1])
+    async with serving(fakes[0]) as u0:
+        u1 = await ctx.__aenter__()
+        port = int(u1.rsplit(":", 1)[1])
+        try:
+            async with router([u0, u1], scrape_interval_s=0.1, initial_weight_version=1,
+                              initial_weights_path="ckpt-1") as (url, app, _rs):
+                await _scraped(app, "replica-1")
+                fresh = FakeVllm()
+                ctx = await _restarted_at_the_same_url(ctx, port, 0.5, fresh)
+                deadline = time.monotonic() + 20
+                while not (fresh.loads and app[keys.CORE].replicas["replica-1"].healthy
+                           and "replica-1" not in app[keys.CORE].versions.rotation):
+                    assert time.monotonic() < deadline, (fresh.loads, app[keys.CORE].versions.rotation)
+                    await asyncio.sleep(0.05)
+                assert fresh.loads == ["ckpt-1"] and app[keys.CORE].versions.loaded["replica-1"] == 1
+        finally:
+            await ctx.__aexit__(None, None, None)
+
+
+async def test_a_supervisors_healthy_event_does_not_put_a_new_process_back_before_the_scrape_takes_it():
+    # a fresh attacker: the replica set's /health poll said `healthy` 118 ms before the scrape
+    # found the server was a new process, and for that time it was routed to under the old version
+    from replicas.events import ReplicaEvent
+    from router.fleet import on_replica_event
+
+    fakes = [FakeVllm(), FakeVllm()]
+    ctx = serving(fakes[1])
+    async with serving(fakes[0]) as u0:
+        u1 = await ctx.__aenter__()
+        port = int(u1.rsplit(":", 1)[1])
+        try:
+            async with router([u0, u1], scrape_interval_s=0.5) as (url, app, rs):
+                assert (await update(url, "ckpt-1"))["ok"]
+                core, pool = app[keys.CORE], app[keys.POOL]
+                await _scraped(app, "replica-1")
+                await ctx.__aexit__(None, None, None)
+                ctx = contextlib.nullcontext()
+                deadline = time.monotonic() + 10
+                while not pool.get("replica-1").gone:  # a refused scrape
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.02)
+                fresh = FakeVllm()
+                ctx = serving(fresh, port)
+                await ctx.__aenter__()
+                on_replica_event(app, ReplicaEvent("healthy", "replica-1", rs.endpoints[1]))
+                assert not core.replicas["replica-1"].healthy  # until the scrape takes the restart
+                while not (fresh.loads and core.replicas["replica-1"].healthy
+                           and "replica-1" not in core.versions.rotation):
+                    assert time.monotonic() < deadline + 10
+                    await asyncio.sleep(0.05)
+                assert fresh.loads == ["ckpt-1"]
         finally:
             await ctx.__aexit__(None, None, None)
