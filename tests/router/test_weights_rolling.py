@@ -82,16 +82,41 @@ async def _scraped(app, rid: str, timeout_s: float = 10.0) -> None:
         await asyncio.sleep(0.02)
 
 
-async def _restarted_at_the_same_url(old: contextlib.AbstractAsyncContextManager, port: int, gap_s: float,
-                                     fresh: FakeVllm) -> contextlib.AbstractAsyncContextManager:
-    """Stop ``old`` (a ``serving`` context entered by the caller), wait ``gap_s``, serve ``fresh``
-    on the same ``port``: a server restarted by something other than the router (a pod's
+class _Servers:
+    """Two fake vLLM servers on loopback (:func:`two_servers`); the second can be stopped and a
+    fresh one served on its port: a server restarted by something other than the router (a pod's
     restart policy), on its start-up weights."""
-    await old.__aexit__(None, None, None)
-    await asyncio.sleep(gap_s)
-    new = serving(fresh, port)
-    await new.__aenter__()
-    return new
+
+    def __init__(self, fakes: list[FakeVllm]) -> None:
+        self.fakes, self.urls = fakes, []
+        self._second: contextlib.AbstractAsyncContextManager | None = None
+
+    async def stop_second(self) -> None:
+        if self._second is not None:
+            second, self._second = self._second, None
+            await second.__aexit__(None, None, None)
+
+    async def serve_second(self, fresh: FakeVllm, gap_s: float = 0.0) -> None:
+        """Stop the second server, wait ``gap_s``, serve ``fresh`` on its port."""
+        await self.stop_second()
+        await asyncio.sleep(gap_s)
+        self.fakes[1], self._second = fresh, serving(fresh, int(self.urls[1].rsplit(":", 1)[1]))
+        await self._second.__aenter__()
+
+
+@contextlib.asynccontextmanager
+async def two_servers(weights: str = "0"):
+    """:class:`_Servers` over two fresh fakes serving ``weights``."""
+    servers = _Servers([FakeVllm(), FakeVllm()])
+    for fake in servers.fakes:
+        fake.weights = weights
+    async with serving(servers.fakes[0]) as u0:
+        servers._second = serving(servers.fakes[1])
+        servers.urls = [u0, await servers._second.__aenter__()]
+        try:
+            yield servers
+        finally:
+            await servers.stop_second()
 
 
 @pytest.mark.parametrize("gap_s, scrape_s", [(1.0, 0.1), (0.0, 1.5)],
@@ -101,134 +126,96 @@ async def test_a_server_given_by_url_restarted_by_someone_else_is_caught_up_befo
     # a new user: a URL server that came back after a restart served its start-up weights while
     # the router went on naming the fleet's version for its answers (it never knew it restarted).
     # Seen as a restart either way: its scrapes refused (nothing listened on its port) or, back
-    # before a scrape missed it, its token counters went back
-    fakes = [FakeVllm(), FakeVllm()]
-    ctx = serving(fakes[1])
-    async with serving(fakes[0]) as u0:
-        u1 = await ctx.__aenter__()
-        port = int(u1.rsplit(":", 1)[1])
-        try:
-            async with router([u0, u1], scrape_interval_s=scrape_s) as (url, app, _rs):
-                assert (await update(url, "ckpt-1"))["ok"]
-                async with aiohttp.ClientSession() as http:
-                    for i in range(4):  # traffic on both: token counters > 0
-                        async with http.post(url + "/v1/completions", json={"prompt": [7 + i] * 40, "max_tokens": 1},
-                                             headers={"X-Session-Id": f"s{i}"}) as r:
-                            assert r.status == 200
-                    assert fakes[1].prompt_tokens > 0
-                    while app[keys.CORE].replicas["replica-1"].load.finished_tokens == 0:  # a scrape saw them
-                        await asyncio.sleep(0.05)
-                    fresh = FakeVllm()
-                    ctx = await _restarted_at_the_same_url(ctx, port, gap_s, fresh)
-                    if not gap_s:  # back at once: only its counters tell, at the next scrape (no request
-                        await asyncio.sleep(2 * scrape_s)  # can tell before: they are answered as before)
-                    deadline = time.monotonic() + 20
-                    answers = []
-                    while not fresh.loads or time.monotonic() < deadline - 15:  # and a while after it
-                        assert time.monotonic() < deadline, "the restarted server was never caught up"
-                        prompt = [3 + len(answers) % 900] * 40  # new prompts: placed by load, on both
-                        async with http.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 1}) as r:
-                            assert r.status == 200
-                            answers.append((r.headers["X-Rollout-Replica"], (await r.json())["rollout_router"],
-                                            fresh.weights))
-                        await asyncio.sleep(0.05)
-                    core = app[keys.CORE]
-                    assert fresh.loads == ["ckpt-1"] and core.versions.loaded["replica-1"] == 1
-                    # no answer from the restarted server named version 1 before it had version 1's weights
-                    wrong = [a for a in answers if a[0] == "replica-1" and a[1]["weight_version"] == 1
-                             and a[2] != "ckpt-1"]
-                    assert not wrong, wrong
-                    assert any(a[0] == "replica-1" and a[2] == "ckpt-1" for a in answers), answers  # it serves again
-                    _, weights, _ = await call("GET", url + "/admin/weights", headers=ADMIN)
-                    shown = weights["replicas"]["replica-1"]
-                    assert (shown["phase"], shown["weight_version"], shown["in_rotation"]) == ("serving", 1, True), shown
-        finally:
-            await ctx.__aexit__(None, None, None)
+    # before a scrape missed it, another process start time
+    async with two_servers() as servers, router(servers.urls, scrape_interval_s=scrape_s) as (url, app, _rs):
+        assert (await update(url, "ckpt-1"))["ok"]
+        async with aiohttp.ClientSession() as http:
+            for i in range(4):  # traffic on both
+                async with http.post(url + "/v1/completions", json={"prompt": [7 + i] * 40, "max_tokens": 1},
+                                     headers={"X-Session-Id": f"s{i}"}) as r:
+                    assert r.status == 200
+            assert servers.fakes[1].prompt_tokens > 0
+            await _scraped(app, "replica-1")
+            fresh = FakeVllm()
+            await servers.serve_second(fresh, gap_s)
+            if not gap_s:  # back at once: only its process start time tells, at the next scrape (no
+                await asyncio.sleep(2 * scrape_s)  # request can tell before: they are answered as before)
+            deadline = time.monotonic() + 20
+            answers = []
+            while not fresh.loads or time.monotonic() < deadline - 15:  # and a while after it
+                assert time.monotonic() < deadline, "the restarted server was never caught up"
+                prompt = [3 + len(answers) % 900] * 40  # new prompts: placed by load, on both
+                async with http.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 1}) as r:
+                    assert r.status == 200
+                    answers.append((r.headers["X-Rollout-Replica"], (await r.json())["rollout_router"],
+                                    fresh.weights))
+                await asyncio.sleep(0.05)
+            core = app[keys.CORE]
+            assert fresh.loads == ["ckpt-1"] and core.versions.loaded["replica-1"] == 1
+            # no answer from the restarted server named version 1 before it had version 1's weights
+            wrong = [a for a in answers if a[0] == "replica-1" and a[1]["weight_version"] == 1 and a[2] != "ckpt-1"]
+            assert not wrong, wrong
+            assert any(a[0] == "replica-1" and a[2] == "ckpt-1" for a in answers), answers  # it serves again
+            _, weights, _ = await call("GET", url + "/admin/weights", headers=ADMIN)
+            shown = weights["replicas"]["replica-1"]
+            assert (shown["phase"], shown["weight_version"], shown["in_rotation"]) == ("serving", 1, True), shown
 
 
 async def test_a_server_gone_down_is_shown_unhealthy_not_serving_by_get_admin_weights():
     # a new user: a killed server read `serving`, in rotation, in GET /admin/weights (no health
     # field there), while the router had stopped routing to it
-    fakes = [FakeVllm(), FakeVllm()]
-    ctx = serving(fakes[1])
-    async with serving(fakes[0]) as u0:
-        u1 = await ctx.__aenter__()
-        try:
-            async with router([u0, u1], scrape_interval_s=0.1) as (url, app, _rs):
-                _, weights, _ = await call("GET", url + "/admin/weights", headers=ADMIN)
-                assert [(r["phase"], r["healthy"]) for r in weights["replicas"].values()] == [("serving", True)] * 2
-                await ctx.__aexit__(None, None, None)
-                ctx = contextlib.nullcontext()
-                deadline = time.monotonic() + 10
-                while app[keys.CORE].replicas["replica-1"].healthy:
-                    assert time.monotonic() < deadline
-                    await asyncio.sleep(0.05)
-                _, weights, _ = await call("GET", url + "/admin/weights", headers=ADMIN)
-                shown = weights["replicas"]["replica-1"]
-                assert (shown["phase"], shown["healthy"], shown["in_rotation"]) == ("unhealthy", False, True), shown
-                _, replicas, _ = await call("GET", url + "/admin/replicas", headers=ADMIN)
-                row = next(r for r in replicas["replicas"] if r["replica"] == "replica-1")
-                assert (row["healthy"], row["in_rotation"]) == (False, True), row
-        finally:
-            await ctx.__aexit__(None, None, None)
+    async with two_servers() as servers, router(servers.urls, scrape_interval_s=0.1) as (url, app, _rs):
+        _, weights, _ = await call("GET", url + "/admin/weights", headers=ADMIN)
+        assert [(r["phase"], r["healthy"]) for r in weights["replicas"].values()] == [("serving", True)] * 2
+        await servers.stop_second()
+        deadline = time.monotonic() + 10
+        while app[keys.CORE].replicas["replica-1"].healthy:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+        _, weights, _ = await call("GET", url + "/admin/weights", headers=ADMIN)
+        shown = weights["replicas"]["replica-1"]
+        assert (shown["phase"], shown["healthy"], shown["in_rotation"]) == ("unhealthy", False, True), shown
+        _, replicas, _ = await call("GET", url + "/admin/replicas", headers=ADMIN)
+        row = next(r for r in replicas["replicas"] if r["replica"] == "replica-1")
+        assert (row["healthy"], row["in_rotation"]) == (False, True), row
+
+
+async def _until_caught_up(app, fresh: FakeVllm, timeout_s: float = 20.0) -> None:
+    """Until ``fresh`` (replica-1's server) took a load and replica-1 is healthy and in rotation."""
+    core, deadline = app[keys.CORE], time.monotonic() + timeout_s
+    while not (fresh.loads and core.replicas["replica-1"].healthy and "replica-1" not in core.versions.rotation):
+        assert time.monotonic() < deadline, (fresh.loads, core.versions.rotation)
+        await asyncio.sleep(0.05)
 
 
 async def test_a_server_an_update_failed_on_while_it_was_down_is_caught_up_once_it_is_back():
     # a new user: a URL server down during an update was reported failed and stayed out for good
     # once back (only the same update posted again brought it back)
-    fakes = [FakeVllm(), FakeVllm()]
-    ctx = serving(fakes[1])
-    async with serving(fakes[0]) as u0:
-        u1 = await ctx.__aenter__()
-        port = int(u1.rsplit(":", 1)[1])
-        try:
-            async with router([u0, u1], scrape_interval_s=0.1) as (url, app, _rs):
-                await ctx.__aexit__(None, None, None)
-                ctx = contextlib.nullcontext()
-                report = await update(url, "ckpt-1")
-                phases = {r["replica"]: r["phase"] for r in report["replicas"]}
-                assert not report["ok"] and phases == {"replica-0": "done", "replica-1": "failed"}, report
-                fresh = FakeVllm()
-                ctx = serving(fresh, port)
-                await ctx.__aenter__()
-                deadline = time.monotonic() + 20
-                while True:
-                    _, weights, _ = await call("GET", url + "/admin/weights", headers=ADMIN)
-                    shown = weights["replicas"]["replica-1"]
-                    if shown["phase"] == "serving":
-                        break
-                    assert time.monotonic() < deadline, shown
-                    await asyncio.sleep(0.05)
-                assert fresh.loads == ["ckpt-1"] and fresh.weights == "ckpt-1" and shown["weight_version"] == 1, shown
-        finally:
-            await ctx.__aexit__(None, None, None)
+    async with two_servers() as servers, router(servers.urls, scrape_interval_s=0.1) as (url, app, _rs):
+        await servers.stop_second()
+        report = await update(url, "ckpt-1")
+        phases = {r["replica"]: r["phase"] for r in report["replicas"]}
+        assert not report["ok"] and phases == {"replica-0": "done", "replica-1": "failed"}, report
+        fresh = FakeVllm()
+        await servers.serve_second(fresh)
+        await _until_caught_up(app, fresh)
+        _, weights, _ = await call("GET", url + "/admin/weights", headers=ADMIN)
+        shown = weights["replicas"]["replica-1"]
+        assert fresh.loads == ["ckpt-1"] and fresh.weights == "ckpt-1", fresh.loads
+        assert (shown["phase"], shown["weight_version"]) == ("serving", 1), shown
 
 
 async def test_a_restarted_url_server_is_reloaded_even_at_the_routers_initial_version():
     # a fresh attacker: a router started with --initial-weight-version 1 (its servers had taken
     # version 1 from an earlier router) took a server restarted on its seed-0 start-up model for
     # version 1, the initial one, and named 1 for its answers
-    fakes = [FakeVllm(), FakeVllm()]
-    for f in fakes:
-        f.weights = "ckpt-1"
-    ctx = serving(fakes[1])
-    async with serving(fakes[0]) as u0:
-        u1 = await ctx.__aenter__()
-        port = int(u1.rsplit(":", 1)[1])
-        try:
-            async with router([u0, u1], scrape_interval_s=0.1, initial_weight_version=1,
-                              initial_weights_path="ckpt-1") as (url, app, _rs):
-                await _scraped(app, "replica-1")
-                fresh = FakeVllm()
-                ctx = await _restarted_at_the_same_url(ctx, port, 0.5, fresh)
-                deadline = time.monotonic() + 20
-                while not (fresh.loads and app[keys.CORE].replicas["replica-1"].healthy
-                           and "replica-1" not in app[keys.CORE].versions.rotation):
-                    assert time.monotonic() < deadline, (fresh.loads, app[keys.CORE].versions.rotation)
-                    await asyncio.sleep(0.05)
-                assert fresh.loads == ["ckpt-1"] and app[keys.CORE].versions.loaded["replica-1"] == 1
-        finally:
-            await ctx.__aexit__(None, None, None)
+    async with two_servers(weights="ckpt-1") as servers, router(
+            servers.urls, scrape_interval_s=0.1, initial_weight_version=1, initial_weights_path="ckpt-1") as (url, app, _rs):
+        await _scraped(app, "replica-1")
+        fresh = FakeVllm()
+        await servers.serve_second(fresh, 0.5)
+        await _until_caught_up(app, fresh)
+        assert fresh.loads == ["ckpt-1"] and app[keys.CORE].versions.loaded["replica-1"] == 1
 
 
 async def test_a_supervisors_healthy_event_does_not_put_a_new_process_back_before_the_scrape_takes_it():
@@ -237,31 +224,18 @@ async def test_a_supervisors_healthy_event_does_not_put_a_new_process_back_befor
     from replicas.events import ReplicaEvent
     from router.fleet import on_replica_event
 
-    fakes = [FakeVllm(), FakeVllm()]
-    ctx = serving(fakes[1])
-    async with serving(fakes[0]) as u0:
-        u1 = await ctx.__aenter__()
-        port = int(u1.rsplit(":", 1)[1])
-        try:
-            async with router([u0, u1], scrape_interval_s=0.5) as (url, app, rs):
-                assert (await update(url, "ckpt-1"))["ok"]
-                core, pool = app[keys.CORE], app[keys.POOL]
-                await _scraped(app, "replica-1")
-                await ctx.__aexit__(None, None, None)
-                ctx = contextlib.nullcontext()
-                deadline = time.monotonic() + 10
-                while not pool.get("replica-1").gone:  # a refused scrape
-                    assert time.monotonic() < deadline
-                    await asyncio.sleep(0.02)
-                fresh = FakeVllm()
-                ctx = serving(fresh, port)
-                await ctx.__aenter__()
-                on_replica_event(app, ReplicaEvent("healthy", "replica-1", rs.endpoints[1]))
-                assert not core.replicas["replica-1"].healthy  # until the scrape takes the restart
-                while not (fresh.loads and core.replicas["replica-1"].healthy
-                           and "replica-1" not in core.versions.rotation):
-                    assert time.monotonic() < deadline + 10
-                    await asyncio.sleep(0.05)
-                assert fresh.loads == ["ckpt-1"]
-        finally:
-            await ctx.__aexit__(None, None, None)
+    async with two_servers() as servers, router(servers.urls, scrape_interval_s=0.5) as (url, app, rs):
+        assert (await update(url, "ckpt-1"))["ok"]
+        core, pool = app[keys.CORE], app[keys.POOL]
+        await _scraped(app, "replica-1")
+        await servers.stop_second()
+        deadline = time.monotonic() + 10
+        while not pool.get("replica-1").gone:  # a refused scrape
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.02)
+        fresh = FakeVllm()
+        await servers.serve_second(fresh)
+        on_replica_event(app, ReplicaEvent("healthy", "replica-1", rs.endpoints[1]))
+        assert not core.replicas["replica-1"].healthy  # until the scrape takes the restart
+        await _until_caught_up(app, fresh)
+        assert fresh.loads == ["ckpt-1"]
