@@ -139,14 +139,15 @@ def on_replica_event(app: web.Application, event: ReplicaEvent) -> None:
 def server_restarted(app: web.Application, rid: str) -> bool:
     """``rid``'s server answered a metrics scrape as a new process (``router.scrape.scrape_once``:
     another process start time, a scrape or request refused since its last answer, nothing
-    listening on its port, or token counters that went back): restarted by something other than this router (a pod's restart policy,
-    an operator), at the same URL. Taken as the restart it is (:func:`on_replica_event`
-    ``restarted``: its KV cache, index entries and pins forgotten, its version the initial one, as
-    it serves its start-up weights), then brought to the fleet's version before it takes work
-    (``WeightUpdater.rejoined``): else its answers named the version this router recorded for
-    it before (a new user saw one serve its start-up weights under the fleet's version). A
-    replica this router launched restarts through its replica set's events instead. Whether it
-    was taken as restarted here."""
+    listening on its port, or token counters that went back): restarted by something other than
+    this router (a pod's restart policy, an operator), at the same URL. Taken as the restart it
+    is (:func:`on_replica_event` ``restarted``: its KV cache, index entries and pins forgotten),
+    then brought to the fleet's version before it takes work (``WeightUpdater.rejoined``;
+    reloaded from the current version's folder whenever that is known, as it serves its own
+    command line's model): else its answers named the version this router recorded for it
+    before (a new user saw one serve its start-up weights under the fleet's version). A replica
+    this router launched restarts through its replica set's events instead. Whether it was taken
+    as restarted here."""
     replica_set = app.get(FLEET)
     if rid not in app[keys.CORE].replicas or rid not in app[keys.POOL] or (
             replica_set is not None and replica_set.launched(rid)):

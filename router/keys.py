@@ -27,8 +27,8 @@ OWN_ADDRESSES = web.AppKey("own_addresses", set)
 filled by ``router.server.running_router`` once bound: a replica URL leading there is the router
 itself (``router.fleet``)."""
 FAST_HANDLER = web.AppKey("fast_handler", object)
+"""The handler of ``router.fastlane.FAST_PATH`` (``router.handlers.completions``), which the fast
+lane runs inside the app's middlewares; set by ``create_app`` beside the route."""
 PROBES = web.AppKey("probes", "router.scrape.EngineProbes")
 """The scrape loop's probes of idle engines (``router.fleet.on_replica_event`` cancels a replica's
 at its restart); absent with ``router.scrape_interval_s`` 0."""
-"""The handler of ``router.fastlane.FAST_PATH`` (``router.handlers.completions``), which the fast
-lane runs inside the app's middlewares; set by ``create_app`` beside the route."""

@@ -32,15 +32,16 @@ class ReplicaState:
     """A scrape took it out of rotation as silent (it was healthy before): the scrape loop takes
     its requests in flight back, once, whichever round that scrape finished in."""
     gone: bool = False
-    """A scrape was refused since its last answer (``ECONNREFUSED``: nothing listened on its
-    port, so the server process that answered before is gone)."""
+    """A scrape or request was refused since its last answered scrape (``ECONNREFUSED``: nothing
+    listened on its port, so the server process that answered before is gone)."""
     process_start_s: float = 0.0
     """Its server process's start time at its last answered scrape (``VllmMetrics.process_start_s``;
     0: not known)."""
     restarted: bool = False
     """A scrape found a new server process behind its URL (another process start time, an answer
-    after :attr:`gone`, or token counters that went back): unhealthy until the scrape loop takes it as the restart it is
-    (``router.fleet.server_restarted``), once, whichever round that scrape finished in."""
+    after :attr:`gone`, or token counters that went back): unhealthy until the scrape loop takes
+    it as the restart it is (``router.fleet.server_restarted``), once, whichever round that
+    scrape finished in."""
 
 
 class ReplicaPool:

@@ -31,9 +31,10 @@ async def scrape_once(http: aiohttp.ClientSession, state: ReplicaState, core: De
     ``FAILURES_OUT_OF_ROTATION`` failed scrapes in a row, mark it unhealthy until it answers again;
     so does an engine the core finds stalled (``DecisionCore.stalled``: holding requests, finishing
     no token), until it no longer is (counted in ``rollout_router_replica_stalls_total``). A
-    server that answers as a new process (a scrape was refused since its last answer, or its
-    token counters went back) stays unhealthy, ``state.restarted`` set, for the scrape loop to
-    take as restarted (``router.fleet.server_restarted``)."""
+    server that answers as a new process (another ``process_start_time_seconds``, a scrape or
+    request refused since its last answered scrape, or token counters that went back) stays
+    unhealthy, ``state.restarted`` set, for the scrape loop to take as restarted
+    (``router.fleet.server_restarted``)."""
     rid = state.endpoint.replica_id
     timeout = aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT_S)
     healthy = core.replicas[rid].healthy if rid in core.replicas else True

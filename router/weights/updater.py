@@ -262,9 +262,10 @@ class WeightUpdater:
     def describe(self, restarting: Mapping[ReplicaId, str] | None = None) -> dict[str, Any]:
         """``GET /admin/weights``: versions, rotation, health and each replica's update phase
         (outside an update: ``serving``; ``unhealthy``, in rotation but not routed to: its scrapes
-        or requests failed, or its engine stalled; ``out`` of rotation). ``restarting``: replicas being restarted now, with why (``router.fleet.RESTARTING``): out
-        of rotation, as ``GET /admin/replicas`` lists them (a fresh attacker saw a dead replica
-        shown ``serving``, in rotation, for its whole restart)."""
+        or requests failed, or its engine stalled; ``out`` of rotation). ``restarting``: replicas
+        being restarted now, with why (``router.fleet.RESTARTING``): out of rotation, as
+        ``GET /admin/replicas`` lists them (a fresh attacker saw a dead replica shown ``serving``,
+        in rotation, for its whole restart)."""
         state = self.core.versions.describe()
         active = self.active
         for rid, rep in state["replicas"].items():
