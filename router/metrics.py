@@ -177,7 +177,8 @@ class RouterMetrics:
                               ["replica"], registry=r)
         self.probes = Counter("rollout_router_replica_probes", "Probes of idle engines (a one-token completion "
                               "after policy.stall_probe_after_s without a finished token), by outcome: ok, "
-                              "refused (an HTTP error), failed (no connection), timeout", ["replica", "outcome"],
+                              "refused (an HTTP error), failed (no connection), timeout, cancelled (its replica restarted or "
+                              "removed, or the router stopped, while it was in flight)", ["replica", "outcome"],
                               registry=r)
         self.latency = Histogram("rollout_router_request_seconds", "End-to-end request latency, by endpoint",
                                  ["endpoint"], registry=r,

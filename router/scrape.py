@@ -101,15 +101,21 @@ async def probe_engine(http: aiohttp.ClientSession, state: ReplicaState, metrics
                        timeout_s: float, seen: set[str]) -> str:
     """Send one probe to ``state``'s replica and wait for its answer (at most ``timeout_s``):
     ``"ok"`` (HTTP 200), ``"refused"`` (another status), ``"failed"`` (no answer: the connection
-    failed) or ``"timeout"``; counted in ``rollout_router_replica_probes_total``. An outcome other
-    than ok is logged once per replica and outcome (``seen``); a hung engine never answers, and
-    the stall rule, to which the probe is held work, says so. Never raises but CancelledError."""
+    failed) or ``"timeout"``; counted in ``rollout_router_replica_probes_total``, as is one
+    cancelled (``"cancelled"``: its replica is being restarted or removed, :meth:`EngineProbes.cancel`,
+    or the router stops). An outcome other than ok is logged once per replica and outcome
+    (``seen``); a hung engine never answers, and the stall rule, to which the probe is held work,
+    says so. Never raises but CancelledError."""
     endpoint = state.endpoint
     try:
         async with http.post(endpoint.base_url + "/v1/completions", json={"model": endpoint.model, **PROBE_BODY},
                              timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
             text = await r.text(errors="replace")
             outcome, why = ("ok", "") if r.status == 200 else ("refused", f"HTTP {r.status}: {text[:200]}")
+    except asyncio.CancelledError:
+        if metrics.live(endpoint.replica_id):  # a removed replica's series are gone: not brought back
+            metrics.probes.labels(endpoint.replica_id, "cancelled").inc()
+        raise
     except asyncio.TimeoutError:
         outcome, why = "timeout", f"no answer within {timeout_s:g} s"
     except (aiohttp.ClientError, OSError, ValueError) as exc:

@@ -47,7 +47,7 @@ TOKEN = "fault-admin-token"
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}
 LOAD = MixedWorkload(sessions=3, session_turns=6, reply_tokens=48, groups=1, group_size=4, scorers=1)
 BACK_WITHIN_S = 240.0
-OUTCOMES = ("ok", "failed", "timeout", "refused")
+OUTCOMES = ("ok", "failed", "timeout", "refused", "cancelled")
 
 
 @dataclass
@@ -246,10 +246,13 @@ async def test_an_engine_that_stays_hung_is_restarted_by_its_supervisor(fleet, c
     # while it restarted, it was still one this router launched (a CI run logged "cannot restart
     # it (not launched by it: replicas.urls)" in the moment its old actor was gone)
     assert not [r for r in caplog.records if "cannot restart it" in r.getMessage()], caplog.text[-2000:]
-    # the probe hung there until the restart took its server down: its connection dropped
-    # (failed), or its API server, outliving the engine core by a moment, answered 500 (refused)
+    # the probe hung there until the restart: cancelled at its `restarting` event (EngineProbes.cancel;
+    # before, it hung on until the restart took its server down: its connection dropped, or its API
+    # server, outliving the engine core by a moment, answered 500), and not listed as probing since
     outcomes = {o: probes.labels(victim, o)._value.get() - probed_before[victim, o] for o in OUTCOMES}
-    assert outcomes["ok"] == outcomes["timeout"] == 0 and outcomes["failed"] + outcomes["refused"] == 1, outcomes
+    assert outcomes["ok"] == outcomes["timeout"] == 0, outcomes
+    assert outcomes["failed"] + outcomes["refused"] + outcomes["cancelled"] == 1, outcomes
+    assert not core.replicas[victim].probing
     assert core.versions.loaded == {"replica-0": 1, "replica-1": 1}, core.versions.loaded
     # both replicas serve the same weights: the same greedy tokens, asked of each directly
     greedy = {"model": CFG.served_model_name, "prompt": cached, "max_tokens": 12, "temperature": 0,

@@ -191,6 +191,10 @@ async def test_a_probe_in_flight_on_a_replica_being_restarted_is_cancelled_at_on
                 assert [b["prompt"] for b in servers[0].bodies] == [[0]]
                 on_replica_event(app, ReplicaEvent("restarting", endpoint.replica_id, endpoint, "its engine hung"))
                 assert not (await row())["probing"]  # at once, not when the old server dies
+                cancelled = app[keys.METRICS].probes.labels(endpoint.replica_id, "cancelled")
+                while cancelled._value.get() != 1:  # counted as its task unwinds
+                    assert time.monotonic() < deadline, cancelled._value.get()
+                    await asyncio.sleep(0.01)
                 servers[0].resume()
                 on_replica_event(app, ReplicaEvent("restarted", endpoint.replica_id, endpoint))
                 while len(servers[0].bodies) < 2:  # the slot is free: the new engine is probed in its turn
