@@ -96,7 +96,7 @@ async def post_abort(request: web.Request) -> web.Response:
 async def get_weights(request: web.Request) -> web.Response:
     """GET /admin/weights: current version, policy, each replica's version, rotation and phase."""
     check_token(request)
-    return web.json_response(request.app[keys.WEIGHT_UPDATER].describe(request.app.get(fleet.RESTARTING)))
+    return web.json_response(request.app[keys.WEIGHT_UPDATER].describe(fleet.out_of_rotation(request.app)))
 
 
 def _initial_weights_path(cfg: AppConfig, roots: list[str | None]) -> str | None:

@@ -225,6 +225,13 @@ def _fleet(request: web.Request):
     return fleet
 
 
+def out_of_rotation(app: web.Application) -> dict[str, str]:
+    """Every replica out of rotation now, with why: held by the core (a weight update, a drain,
+    a failed update: ``VersionBook.rotation``) or being restarted (:data:`RESTARTING`, which
+    wins). The one view ``GET /health``, ``GET /admin/replicas`` and ``GET /admin/weights`` show."""
+    return {**app[keys.CORE].versions.rotation, **app.get(RESTARTING, {})}
+
+
 def replica_rows(app: web.Application) -> list[dict[str, Any]]:
     """Every replica as ``GET /health`` and ``GET /admin/replicas`` show it: its URL, health
     (``stalled``: its engine holds work and finishes no token, ``DecisionCore.stalled``;
@@ -234,7 +241,7 @@ def replica_rows(app: web.Application) -> list[dict[str, Any]]:
     rotation (out during a weight update, with the reason), requests in flight, KV cache usage,
     scoring cap and weight version."""
     core, pool, now = app[keys.CORE], app[keys.POOL], time.monotonic()
-    restarting = app.get(RESTARTING, {})
+    out = out_of_rotation(app)
     rows = []
     for s in pool.states():
         rid = s.endpoint.replica_id
@@ -246,8 +253,7 @@ def replica_rows(app: web.Application) -> list[dict[str, Any]]:
             "in_flight": core.in_flight(rid),
             "kv_cache_usage": s.metrics.kv_cache_usage, "scoring_cap": s.endpoint.scoring_cap,
             "weight_version": core.versions.loaded.get(rid),
-            "in_rotation": rid not in core.versions.rotation and rid not in restarting,
-            "out_of_rotation_reason": restarting.get(rid) or core.versions.rotation.get(rid),
+            "in_rotation": rid not in out, "out_of_rotation_reason": out.get(rid),
         })
     return rows
 

@@ -259,18 +259,18 @@ class WeightUpdater:
     def report(self, upd: Update) -> dict[str, Any]:
         return upd.report(self.core.versions.describe())
 
-    def describe(self, restarting: Mapping[ReplicaId, str] | None = None) -> dict[str, Any]:
+    def describe(self, out: Mapping[ReplicaId, str] | None = None) -> dict[str, Any]:
         """``GET /admin/weights``: versions, rotation, health and each replica's update phase
         (outside an update: ``serving``; ``unhealthy``, in rotation but not routed to: its scrapes
-        or requests failed, or its engine stalled; ``out`` of rotation). ``restarting``: replicas
-        being restarted now, with why (``router.fleet.RESTARTING``): out of rotation, as
-        ``GET /admin/replicas`` lists them (a fresh attacker saw a dead replica shown ``serving``,
-        in rotation, for its whole restart)."""
+        or requests failed, or its engine stalled; ``out`` of rotation). ``out``: the replicas out
+        of rotation, with why, as ``GET /admin/replicas`` lists them (``router.fleet.out_of_rotation``:
+        also those being restarted; a fresh attacker saw a dead replica shown ``serving``, in
+        rotation, for its whole restart); default: the core's rotation alone."""
         state = self.core.versions.describe()
         active = self.active
         for rid, rep in state["replicas"].items():
-            if restarting and rid in restarting:
-                rep["in_rotation"], rep["out_of_rotation_reason"] = False, restarting[rid]
+            if out is not None:
+                rep["in_rotation"], rep["out_of_rotation_reason"] = rid not in out, out.get(rid)
             replica = self.core.replicas.get(rid)
             rep["healthy"] = replica is not None and replica.healthy
             rec = active.replicas.get(rid) if active is not None else None
